@@ -1,0 +1,95 @@
+"""Run a function on N real processes joined by a gloo process group on loopback.
+
+Processes come from a forkserver that has already imported torch, so each group
+starts in well under a second; several checks share one group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            **env,
+        }
+    )
+    torch.set_num_threads(1)
+    import unison
+
+    try:
+        unison.init(backend="gloo", timeout=pg_timeout)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        raise
+    finally:
+        unison.shutdown()
+
+
+def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[Any]:
+    """Call ``fn(*args)`` on ``world`` ranks; return each rank's result.
+
+    Fails with every rank's traceback if any rank raised, and kills the group
+    if it has not finished within ``timeout`` seconds (a hang is a failure).
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "unison"])
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = mp.start_processes(
+            _worker,
+            args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout
+        failure = None
+        try:
+            while not procs.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    failure = f"ranks did not finish within {timeout} s (hang)"
+                    break
+        except Exception as exc:  # a rank failed; start_processes killed the rest
+            failure = f"a rank failed: {exc}"
+        finally:
+            for p in procs.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = []
+        errors = []
+        for r in range(world):
+            path = os.path.join(outdir, f"{r}.pt")
+            if not os.path.exists(path):
+                results.append(None)
+                continue
+            data = torch.load(path, weights_only=False)
+            if "error" in data:
+                errors.append(f"--- rank {r} ---\n{data['error']}")
+            results.append(data.get("ok"))
+        if failure or errors:
+            raise AssertionError((failure or "a rank failed") + "\n" + "\n".join(errors))
+        return results

@@ -1,0 +1,26 @@
+"""unison: data-parallel training of one PyTorch model on many processes,
+with a choice of how the replicas agree.
+
+>>> import unison
+>>> topo = unison.init()                      # torchrun, mpirun, srun or alone
+>>> model = unison.DataParallel(net)          # drop-in for torch DDP
+"""
+
+from . import algorithms
+from .data import ShardSampler, sharded_loader
+from .parallel import DataParallel
+from .runtime import Topology, detect_launch, init, shutdown, topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel",
+    "ShardSampler",
+    "Topology",
+    "algorithms",
+    "detect_launch",
+    "init",
+    "sharded_loader",
+    "shutdown",
+    "topology",
+]

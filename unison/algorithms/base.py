@@ -1,0 +1,93 @@
+"""The Algorithm interface: the events of a training step an algorithm may react to.
+
+An algorithm is a small configuration object, validated when it is created,
+that reacts only to the events it needs. DataParallel owns the hooks and the
+buckets and fires the events; the algorithm owns what is sent and when.
+
+| event          | method            | fired                                        |
+| -------------- | ----------------- | -------------------------------------------- |
+| construction   | ``setup``         | once, when DataParallel is built or switched |
+| before forward | ``before_forward``| at the start of every forward                |
+| bucket ready   | ``reduce_bucket`` | when a gradient bucket is complete, in order |
+| backward end   | ``after_backward``| after the buckets' reductions are complete   |
+| optimizer step | ``after_step``    | after ``optimizer.step()`` of a registered optimizer |
+| end of epoch   | ``end_epoch``     | when the user calls ``model.end_epoch(loss)`` |
+| switch / save  | ``flush``         | before switching algorithms or checkpointing |
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Algorithm:
+    """Base class; subclasses set ``name`` and ``defaults`` and override events.
+
+    ``defaults`` maps each option to its default value; an option not in it is
+    refused at construction with a ValueError that lists the allowed ones.
+    """
+
+    name: ClassVar[str] = "base"
+    defaults: ClassVar[dict[str, Any]] = {}
+    #: Whether DataParallel runs the gradient buckets during backward.
+    reduces_gradients: ClassVar[bool] = True
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            allowed = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(f"algorithm {self.name!r} has no option {', '.join(map(repr, unknown))}; allowed options: {allowed}")
+        self.options = {**self.defaults, **options}
+        self.validate()
+
+    def validate(self) -> None:
+        """Check ``self.options``; raise ValueError saying what is allowed."""
+
+    def describe(self) -> str:
+        """A stable text naming the algorithm and its options, compared across ranks."""
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
+        return f"{self.name}({opts})"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    # ---- events -------------------------------------------------------
+    def setup(self, model) -> None:
+        """Construction: build per-model state."""
+
+    def grad_scale(self, world_size: int) -> float:
+        """Factor applied to local gradients as they are copied into buckets."""
+        return 1.0 / world_size
+
+    def reduce_bucket(self, bucket, group: Optional[dist.ProcessGroup]):
+        """Start reducing ``bucket.flat`` in place; return something with ``wait()``."""
+        raise NotImplementedError(f"algorithm {self.name!r} does not reduce gradient buckets")
+
+    def bucket_wire_bytes(self, bucket, world_size: int) -> int:
+        """Bytes this rank sends for one bucket (for the per-step byte counter)."""
+        return 0
+
+    def before_forward(self, model) -> None:
+        """Before every forward of the wrapped module."""
+
+    def after_backward(self, model) -> None:
+        """After a synchronized backward, once every bucket is reduced."""
+
+    def after_step(self, model, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()`` of an optimizer registered with the model."""
+
+    def end_epoch(self, model, loss: Optional[float]) -> None:
+        """At the end of an epoch, with the epoch's loss if the user gives one."""
+
+    def flush(self, model) -> None:
+        """Finish any pending communication (before a switch or a checkpoint)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"algorithm {self.name!r} keeps no state but was given {sorted(state)}")

@@ -1,0 +1,125 @@
+"""Small collective helpers built on torch.distributed: coalesced broadcast and
+cross-rank agreement checks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buckets import MB
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group)
+
+
+def src_rank(group: Optional[dist.ProcessGroup], group_rank: int = 0) -> int:
+    """The global rank of ``group_rank`` inside ``group`` (torch wants global ranks)."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Group tensors by dtype and device, then into chunks of at most ``cap_bytes``."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    chunks = []
+    for group in by_kind.values():
+        current, size = [], 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > cap_bytes:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(t)
+            size += nbytes
+        if current:
+            chunks.append(current)
+    return chunks
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def default_broadcast(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Broadcast ``tensors`` in place from the group's first rank, coalesced."""
+    src = src_rank(group)
+    for chunk in _chunks(tensors, 25 * MB):
+        flat = flatten(chunk)
+        dist.broadcast(flat, src=src, group=group)
+        unflatten_into(flat, chunk)
+
+
+def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Average ``tensors`` in place across the group, coalesced."""
+    world = group_size(group)
+    for chunk in _chunks(tensors, 25 * MB):
+        flat = flatten(chunk)
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        unflatten_into(flat, chunk)
+
+
+BroadcastFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
+
+
+class AsyncBroadcast:
+    """A coalesced broadcast started now and written back by ``finish()``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]):
+        self._parts = []
+        src = src_rank(group)
+        for chunk in _chunks(tensors, 25 * MB):
+            flat = flatten(chunk)
+            self._parts.append((chunk, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
+
+    def finish(self) -> None:
+        for chunk, flat, work in self._parts:
+            work.wait()
+            unflatten_into(flat, chunk)
+        self._parts = []
+
+
+def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dist.ProcessGroup], describe: Callable[[Any], str]) -> None:
+    """Raise ValueError on every rank if ``entries`` differ between ranks.
+
+    Each rank's list is gathered (one collective), so every rank sees every
+    other rank's and raises the same message naming the first difference.
+    """
+    world = group_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, list(entries), group=group)
+    reference = gathered[0]
+    for r in range(1, world):
+        other = gathered[r]
+        if other == reference:
+            continue
+        for i, (a, b) in enumerate(zip(reference, other)):
+            if a != b:
+                raise ValueError(
+                    f"{what} differ between ranks: entry {i} is {describe(a)} on rank 0 "
+                    f"but {describe(b)} on rank {r}. Every rank must wrap the same model "
+                    f"with the same settings."
+                )
+        longer, shorter = (0, r) if len(reference) > len(other) else (r, 0)
+        extra = (reference if longer == 0 else other)[min(len(reference), len(other))]
+        raise ValueError(
+            f"{what} differ between ranks: rank 0 has {len(reference)}, rank {r} has {len(other)}; "
+            f"the first one only rank {longer} has is {describe(extra)}. Every rank must wrap "
+            f"the same model with the same settings."
+        )

@@ -1,0 +1,293 @@
+"""``DataParallel``: the nn.Module users wrap; a drop-in for torch's DistributedDataParallel.
+
+It checks that every rank wraps the same model, broadcasts rank 0's parameters
+and buffers, and fires the events of a training step for the chosen algorithm
+(see ``unison.algorithms.base``). The default algorithm, "allreduce", averages
+gradients in flat buckets overlapped with backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import algorithms as algos
+from .buckets import MB
+from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast
+from .reducer import GradReducer
+
+# torch DDP arguments that have no meaning here: accepted, with a warning.
+_IGNORED_DDP_ARGS = (
+    "device_ids",
+    "output_device",
+    "dim",
+    "check_reduction",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "init_sync",
+    "mixed_precision",
+    "device_mesh",
+    "skip_all_reduce_unused_params",
+)
+
+ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
+
+
+class DataParallel(nn.Module):
+    """Data-parallel wrapper: every rank holds a replica, and the algorithm keeps them in agreement.
+
+    Args:
+        module: the model; it must already be on this process's device.
+        optimizer: an optimizer (or several) whose ``step()`` fires the
+            algorithm's after-step event. Gradient averaging needs none.
+        algorithm: a name for ``unison.algorithms.create`` or an Algorithm.
+        process_group: the group the replicas talk over (default: the world).
+        broadcast_buffers: keep buffers (BatchNorm statistics) equal to rank 0's
+            after every synchronized backward.
+        bucket_cap_mb: size of a gradient bucket in MiB (the first is at most 1 MiB).
+        negotiate_grads: agree each step on which parameters have a gradient on
+            some rank, so dynamic graphs need no flag and never hang. With False,
+            a parameter with no gradient anywhere gets a zero gradient.
+        find_unused_parameters: accepted for torch compatibility; never needed.
+        delay_reduce: reduce after backward instead of overlapping with it.
+        reduce_function: ``fn(tensors, group)`` that averages ``tensors`` in
+            place; replaces the algorithm's reduction (called after backward).
+        broadcast_function: ``fn(tensors, group)`` that broadcasts ``tensors``
+            in place from the group's first rank.
+        **ddp_kwargs: torch DDP arguments that do not apply here (device_ids,
+            output_device, ...): accepted with a warning naming them.
+
+    Example::
+
+        model = unison.DataParallel(net)
+        loss = loss_fn(model(x), y)
+        loss.backward()          # gradients are now averaged across ranks
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None] = None,
+        algorithm: Union[str, algos.Algorithm] = "allreduce",
+        process_group: Optional[dist.ProcessGroup] = None,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: float = 25,
+        negotiate_grads: bool = True,
+        find_unused_parameters: bool = False,
+        delay_reduce: bool = False,
+        reduce_function: Optional[ReduceFn] = None,
+        broadcast_function: Optional[ReduceFn] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
+        unknown = sorted(set(ddp_kwargs) - set(_IGNORED_DDP_ARGS))
+        if unknown:
+            raise TypeError(f"DataParallel got unexpected keyword argument(s) {', '.join(unknown)}")
+        ignored = sorted(k for k, v in ddp_kwargs.items() if v is not None)
+        if ignored:
+            warnings.warn(f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here", stacklevel=2)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable as fn(tensors, group)")
+
+        self.module = module
+        self.algorithm = algos.resolve(algorithm)
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = bucket_cap_mb
+        self.negotiate_grads = negotiate_grads
+        self.delay_reduce = delay_reduce
+        self._reduce_function = reduce_function
+        self._broadcast_function = broadcast_function or default_broadcast
+        self._require_sync = True
+        self._reducer = None
+        self._buffer_sync: Optional[AsyncBroadcast] = None
+
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = process_group if process_group is not None else dist.group.WORLD
+            if dist.get_rank(self.process_group) < 0:
+                raise ValueError("this process is not a member of the process_group given to DataParallel")
+            self.world_size = dist.get_world_size(self.process_group)
+            self.rank = dist.get_rank(self.process_group)
+        else:
+            if process_group is not None:
+                raise ValueError("process_group was given but torch.distributed is not initialized; call unison.init() first")
+            self.process_group = None
+            self.world_size, self.rank = 1, 0
+
+        named = list(module.named_parameters())
+        self._trainable = [(n, p) for n, p in named if p.requires_grad]
+        if self.process_group is not None:
+            self._check_ranks_agree(named)
+            with torch.no_grad():
+                tensors = [p for _, p in named] + [b for _, b in module.named_buffers()]
+                if tensors:
+                    self._broadcast_function(tensors, self.process_group)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if optimizer is not None:
+            for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
+                self.register_optimizer(opt)
+        self._start_algorithm()
+
+    # ---- construction helpers ----------------------------------------
+    def _check_ranks_agree(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        entries = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+        entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        entries += [
+            ("setting", "algorithm", self.algorithm.describe()),
+            ("setting", "bucket_cap_mb", self.bucket_cap_mb),
+            ("setting", "broadcast_buffers", self.broadcast_buffers),
+            ("setting", "negotiate_grads", self.negotiate_grads),
+            ("setting", "delay_reduce", self.delay_reduce),
+        ]
+
+        def describe(e):
+            if e[0] == "setting":
+                return f"setting {e[1]}={e[2]!r}"
+            extra = "" if e[0] == "buffer" or e[4] else ", frozen"
+            return f"{e[0]} {e[1]!r} (shape {list(e[2])}, {e[3].replace('torch.', '')}{extra})"
+
+        check_same_everywhere("the wrapped models", entries, self.process_group, describe)
+
+    def _start_algorithm(self) -> None:
+        self.algorithm.setup(self)
+        if self.process_group is None or not self.algorithm.reduces_gradients or not self._trainable:
+            return
+        names, params = zip(*self._trainable)
+        self._reducer = reducer = _make_reducer(self, params, names)
+        if self.broadcast_buffers and any(True for _ in self.module.buffers()):
+            reducer.on_begin.append(self._start_buffer_sync)
+            reducer.on_end.append(self._finish_buffer_sync)
+
+    def _start_buffer_sync(self) -> None:
+        if self._broadcast_function is default_broadcast:
+            self._buffer_sync = AsyncBroadcast(list(self.module.buffers()), self.process_group)
+
+    def _finish_buffer_sync(self) -> None:
+        if self._buffer_sync is not None:
+            self._buffer_sync.finish()
+            self._buffer_sync = None
+        else:
+            with torch.no_grad():
+                self._broadcast_function(list(self.module.buffers()), self.process_group)
+
+    # ---- the training step ---------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.algorithm.before_forward(self)
+        reducer = self._reducer
+        if reducer is None or not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        reducer.prepare(self._require_sync)
+        output = self.module(*args, **kwargs)
+        if self._require_sync:
+            reducer.watch(output)
+        return output
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside this block accumulate local
+        gradients without communicating; the next synchronized one averages the sum."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fire the algorithm's after-step event after each ``optimizer.step()``."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self.algorithm.after_step(self, opt))
+        self.optimizers.append(optimizer)
+
+    def end_epoch(self, loss: Optional[float] = None) -> None:
+        """Tell the algorithm an epoch ended (schedules such as DASO's use the loss)."""
+        self.algorithm.end_epoch(self, None if loss is None else float(loss))
+
+    # ---- hooks ----------------------------------------------------------
+    def register_comm_hook(self, *args: Any) -> Optional[RemovableHandle]:
+        """Register a communication hook, in either of two forms.
+
+        ``register_comm_hook(hook)`` (pytorch-pfn-extras): ``hook(model)`` runs
+        after backward, before gradients are synchronized; returns a handle
+        whose ``remove()`` unregisters it.
+
+        ``register_comm_hook(state, hook)`` (torch DDP): ``hook(state, bucket)``
+        returns a Future of the reduced bucket and replaces the reduction, so
+        torch's own hooks (``default_hooks.fp16_compress_hook``, ...) run unchanged.
+        """
+        reducer = self._require_reducer()
+        if len(args) == 1:
+            (hook,) = args
+            if not callable(hook):
+                raise TypeError("register_comm_hook(hook): hook must be callable as hook(model)")
+            handle = RemovableHandle(reducer.before_sync)
+            reducer.before_sync[handle.id] = hook
+            return handle
+        if len(args) == 2:
+            state, hook = args
+            if not callable(hook):
+                raise TypeError("register_comm_hook(state, hook): hook must be callable as hook(state, bucket)")
+            if reducer.comm_hook is not None:
+                raise RuntimeError("a comm hook (state, hook) is already registered; it can be registered only once")
+            reducer.comm_hook = (state, hook)
+            return None
+        raise TypeError("register_comm_hook takes (hook) or (state, hook)")
+
+    def _require_reducer(self):
+        if self._reducer is None:
+            raise RuntimeError(
+                "this DataParallel does not reduce gradients (no process group, no trainable "
+                f"parameters, or algorithm {self.algorithm.name!r}), so it has no communication hooks"
+            )
+        return self._reducer
+
+    # ---- state ----------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any):
+        """The wrapped module's state dict: same keys, no ``module.`` prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load a state dict of the wrapped module; a ``module.``-prefixed one (from torch DDP) too."""
+        if state_dict and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes this rank sent for gradients: total, last step, and steps synchronized."""
+        r = self._reducer
+        if r is None:
+            return {"steps": 0, "bytes_total": 0, "bytes_last_step": 0, "bytes_per_step": 0.0}
+        return {
+            "steps": r.steps,
+            "bytes_total": r.bytes_total,
+            "bytes_last_step": r.bytes_last,
+            "bytes_per_step": r.bytes_total / r.steps if r.steps else 0.0,
+        }
+
+
+def _make_reducer(model: DataParallel, params, names) -> GradReducer:
+    reducer = GradReducer(
+        model,
+        params,
+        names,
+        model.process_group,
+        model.algorithm,
+        bucket_cap_bytes=int(model.bucket_cap_mb * MB),
+        negotiate=model.negotiate_grads,
+        delay=model.delay_reduce,
+    )
+    reducer.reduce_function = model._reduce_function
+    return reducer

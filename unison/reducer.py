@@ -1,0 +1,271 @@
+"""The gradient engine: drives the buckets through one synchronized backward.
+
+Each parameter's post-accumulate-grad hook moves its gradient into its bucket
+(scaled for averaging, fused with the copy). When a bucket is complete and
+every bucket before it has been launched, the algorithm's reduction starts, so
+communication overlaps the rest of backward and every rank issues the same
+sequence of collectives. At the end of backward (an autograd callback queued on
+the outermost backward), the buckets that never completed are launched in
+order, a one-byte-per-parameter "has a gradient" vector is agreed on with a MAX
+allreduce, and everything is waited for: a parameter used on any rank gets the
+average, one used on none keeps ``grad=None``.
+
+After the first synchronized backward the buckets are re-planned once from the
+order in which gradients really arrived (rank 0's order, broadcast).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from . import buckets as bucketing
+from .comm import src_rank
+
+
+class GradBucket:
+    """What torch's DDP comm hooks see of a bucket (duck-typed ``dist.GradBucket``)."""
+
+    def __init__(self, bucket: bucketing.Bucket, last: bool):
+        self._bucket, self._last = bucket, last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.flat.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class GradReducer:
+    """Buckets, hooks and the per-backward state machine of gradient averaging."""
+
+    def __init__(
+        self,
+        owner: torch.nn.Module,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        group: Optional[dist.ProcessGroup],
+        algorithm,
+        bucket_cap_bytes: int,
+        negotiate: bool = True,
+        delay: bool = False,
+    ):
+        self.owner = owner
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.algorithm = algorithm
+        self.cap = bucket_cap_bytes
+        self.first_cap = min(bucket_cap_bytes, bucketing.MB)
+        self.negotiate = negotiate
+        self.delay = delay
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        # Hooks users can add (see DataParallel.register_comm_hook).
+        self.comm_hook: Optional[tuple[Any, Callable]] = None
+        self.reduce_function: Optional[Callable] = None
+        self.before_sync: "OrderedDict[int, Callable]" = OrderedDict()
+        self.on_begin: list[Callable[[], None]] = []
+        self.on_end: list[Callable[[], None]] = []
+        # Counters.
+        self.steps = 0
+        self.bytes_total = 0
+        self.bytes_last = 0
+
+        self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
+        self._replan_pending = True
+        self._sync = True
+        self._active = False
+        self._handles_hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    # ---- set-up ---------------------------------------------------------
+    def _set_buckets(self, groups: list[list[int]]) -> None:
+        self.buckets = bucketing.build(self.params, groups)
+        n = len(self.params)
+        self._bucket_of = [0] * n
+        self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        for b in self.buckets:
+            for i, view in zip(b.indices, b.views):
+                self._bucket_of[i] = b.index
+                self._views[i] = view
+        self._sizes = [len(b.indices) for b in self.buckets]
+
+    def _make_hook(self, i: int):
+        def hook(_param):
+            self._on_grad(i)
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach the hooks (the buckets stay where the grads point)."""
+        for h in self._handles_hooks:
+            h.remove()
+        self._handles_hooks = []
+
+    # ---- forward side -----------------------------------------------------
+    def prepare(self, sync: bool) -> None:
+        """Called at a forward with grad enabled: will the next backward synchronize?"""
+        self._sync = sync
+        self._active = False  # a backward that failed half-way must not block this one
+
+    def watch(self, output: Any) -> None:
+        """Hook the forward's outputs so the end-of-backward callback is queued on
+        the outermost backward (reentrant checkpointing runs inner ones)."""
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, _grad):
+        if self._sync and not self._active:
+            self._begin()
+
+    # ---- backward ------------------------------------------------------
+    def _begin(self) -> None:
+        self._active = True
+        self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
+        custom = self.comm_hook is not None or self.reduce_function is not None
+        self._scale = 1.0 if custom else self.algorithm.grad_scale(self.world)
+        self._fired = [False] * len(self.params)
+        self._pending = list(self._sizes)
+        self._next = 0
+        self._handles: list[tuple[bucketing.Bucket, Any]] = []
+        self._arrival: Optional[list[int]] = [] if self._replan_pending else None
+        self._bytes = 0
+        for fn in self.on_begin:
+            fn()
+        Variable._execution_engine.queue_callback(self._finalize)
+
+    def _on_grad(self, i: int) -> None:
+        if not self._sync:
+            return
+        if not self._active:
+            self._begin()
+        if self._fired[i]:
+            if self._delayed:
+                return
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} received a gradient twice in one backward pass "
+                "(it is used both inside and outside a reentrant checkpoint, or backward re-entered). "
+                "Use torch.utils.checkpoint(..., use_reentrant=False), or DataParallel(..., delay_reduce=True)."
+            )
+        self._fired[i] = True
+        if self._arrival is not None:
+            self._arrival.append(i)
+        if self._delayed:
+            return
+        self._adopt(i)
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and b == self._next:
+            while self._next < len(self.buckets) and self._pending[self._next] == 0:
+                self._launch(self._next)
+                self._next += 1
+
+    def _adopt(self, i: int) -> bool:
+        """Put parameter i's gradient into its bucket view, scaled; False if it has none."""
+        p, view = self.params[i], self._views[i]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+            return False
+        if grad.data_ptr() != view.data_ptr():
+            if grad.is_sparse:
+                raise RuntimeError(f"parameter {self.names[i]!r} has a sparse gradient; unison reduces dense gradients only (use sparse=False)")
+            if self._scale != 1.0:
+                torch.mul(grad, self._scale, out=view)
+            else:
+                view.copy_(grad)
+            p.grad = view
+        elif self._scale != 1.0:
+            view.mul_(self._scale)
+        return True
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if self.comm_hook is not None:
+            state, hook = self.comm_hook
+            handle = hook(state, GradBucket(bucket, b == len(self.buckets) - 1))
+        else:
+            handle = self.algorithm.reduce_bucket(bucket, self.group)
+        self._bytes += self.algorithm.bucket_wire_bytes(bucket, self.world)
+        self._handles.append((bucket, handle))
+
+    def _finalize(self) -> None:
+        try:
+            self._finish_backward()
+        finally:
+            self._active = False
+
+    def _finish_backward(self) -> None:
+        for fn in list(self.before_sync.values()):
+            fn(self.owner)
+        has = [True] * len(self.params)
+        first_unlaunched = 0 if self._delayed else self._next
+        for b in self.buckets[first_unlaunched:]:
+            for i in b.indices:
+                if self._delayed or not self._fired[i]:
+                    has[i] = self._adopt(i)
+        for b in range(first_unlaunched, len(self.buckets)):
+            if self.reduce_function is not None:
+                self.reduce_function(self.buckets[b].views, self.group)
+            else:
+                self._launch(b)
+        flags = None
+        if self.negotiate:
+            flags = torch.tensor(has, dtype=torch.uint8, device=self.device)
+            flags_work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self._bytes += flags.numel()
+        for bucket, handle in self._handles:
+            if isinstance(handle, torch._C.Future):
+                result = handle.wait()
+                if isinstance(result, (list, tuple)):
+                    result = result[0]
+                if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
+                    bucket.flat.copy_(result)
+            elif handle is not None:
+                handle.wait()
+        self._handles = []
+        if flags is not None:
+            flags_work.wait()
+            used_anywhere = flags.tolist()
+        else:
+            used_anywhere = [True] * len(self.params)
+        for i, local in enumerate(has):
+            if not local and used_anywhere[i]:
+                self.params[i].grad = self._views[i]
+        for fn in self.on_end:
+            fn()
+        self.steps += 1
+        self.bytes_last = self._bytes
+        self.bytes_total += self._bytes
+        if self._arrival is not None:
+            self._replan(self._arrival)
+        self.algorithm.after_backward(self.owner)
+
+    def _replan(self, arrival: list[int]) -> None:
+        """Rebuild the buckets once, in rank 0's real gradient order."""
+        self._replan_pending = False
+        seen = set(arrival)
+        order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=src_rank(self.group), group=self.group)
+        groups = bucketing.plan(self.params, t.tolist(), self.cap, self.first_cap)
+        if groups != [b.indices for b in self.buckets]:
+            self._set_buckets(groups)

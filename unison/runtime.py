@@ -1,0 +1,263 @@
+"""Process-group start-up and the machine topology.
+
+``init()`` reads whatever launched this process (torchrun, Open MPI's mpirun,
+MPICH/Hydra, SLURM's srun, or nothing at all), starts torch.distributed's
+default process group and returns a :class:`Topology`: who this process is,
+how the processes fall into nodes, and the groups that hierarchical algorithms
+talk over (inside one node, and across nodes between processes of the same
+local rank).
+
+Set ``UNISON_NODES=N`` to make one machine pretend to be N nodes (for example 4
+processes as 2 nodes x 2), so hierarchical algorithms can be tested anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process, read from its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "openmpi", "mpich", "slurm" or "none"
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
+    nodelist = nodelist.strip()
+    match = re.match(r"([^,\[]+)(\[([^\]]*)\])?", nodelist)
+    if not match:
+        raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _slurm_tasks_per_node(value: Optional[str]) -> Optional[int]:
+    """The task count of the first node in SLURM_TASKS_PER_NODE (``"4(x2),3"`` -> 4)."""
+    if not value:
+        return None
+    match = re.match(r"(\d+)", value)
+    return int(match.group(1)) if match else None
+
+
+def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """Read rank, world size, local rank and rendezvous address from ``env``.
+
+    torchrun's variables win, then Open MPI's, MPICH/Hydra's and SLURM's; with
+    none of them the process is a world of one.
+    """
+    env = os.environ if env is None else env
+    addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    port = _int(env, "MASTER_PORT")
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK")
+        local_world = _int(env, "LOCAL_WORLD_SIZE")
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher = "openmpi"
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in env:
+        launcher = "mpich"
+        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_rank = _int(env, "MPI_LOCALRANKID")
+        local_world = _int(env, "MPI_LOCALNRANKS")
+    elif "SLURM_PROCID" in env:
+        launcher = "slurm"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID")
+        local_world = _slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE"))
+        if world is None and _int(env, "SLURM_NNODES") == 1:
+            world = local_world
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if "MASTER_ADDR" not in env and nodelist:
+            addr = first_host(nodelist)
+        if port is None and _int(env, "SLURM_JOB_ID") is not None:
+            # One port per job, so two jobs sharing a first node do not collide.
+            port = 20000 + _int(env, "SLURM_JOB_ID") % 20000
+    else:
+        return LaunchInfo(0, 1, 0, 1, addr, port or DEFAULT_PORT, "none")
+
+    if rank is None or world is None:
+        raise ValueError(f"{launcher} launch detected but its rank or world size is missing from the environment")
+    if not 0 <= rank < world:
+        raise ValueError(f"{launcher} gave rank {rank} outside world size {world}")
+    if local_rank is None or local_world is None:
+        local_rank, local_world = rank, world  # no node information: one node
+    return LaunchInfo(rank, world, local_rank, local_world, addr, port or DEFAULT_PORT, launcher)
+
+
+@dataclass
+class Topology:
+    """Where this process sits: its rank, its node, and the groups to talk over.
+
+    ``intra_node_group`` holds the processes of this node; ``inter_node_group``
+    the processes with this local rank on every node (one such group per local
+    rank, ``inter_node_groups[local_rank]``). With no process group (a world of
+    one) all groups are None.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"
+    backend: Optional[str] = None
+    world_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    intra_node_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    inter_node_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    inter_node_groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node_ranks(self, node: Optional[int] = None) -> list[int]:
+        """Global ranks of the processes on ``node`` (default: this one)."""
+        node = self.node if node is None else node
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    def peer_ranks(self, local_rank: Optional[int] = None) -> list[int]:
+        """Global ranks holding ``local_rank`` (default: this one) on each node."""
+        local_rank = self.local_rank if local_rank is None else local_rank
+        return [n * self.local_world_size + local_rank for n in range(self.num_nodes)]
+
+
+_topology: Optional[Topology] = None
+
+
+def _apply_simulated_nodes(rank: int, world: int, local_rank: int, local_world: int, nodes: Optional[int]):
+    if not nodes:
+        return local_rank, local_world
+    if nodes < 1 or world % nodes:
+        raise ValueError(
+            f"UNISON_NODES={nodes} does not divide the world of {world} processes; "
+            f"choose a node count that divides {world}"
+        )
+    local_world = world // nodes
+    return rank % local_world, local_world
+
+
+def _build_groups(topo: Topology) -> None:
+    """Create the intra- and inter-node groups; every rank must call this."""
+    lws, nodes = topo.local_world_size, topo.num_nodes
+    intra, _ = dist.new_subgroups_by_enumeration([topo.node_ranks(n) for n in range(nodes)])
+    inter, all_inter = dist.new_subgroups_by_enumeration([topo.peer_ranks(lr) for lr in range(lws)])
+    topo.intra_node_group = intra
+    topo.inter_node_group = inter
+    topo.inter_node_groups = all_inter
+
+
+def init(
+    backend: Optional[str] = None,
+    timeout: Optional[float | datetime.timedelta] = None,
+    nodes: Optional[int] = None,
+) -> Topology:
+    """Start (or adopt) torch.distributed's default process group.
+
+    Args:
+        backend: "gloo", "nccl" or any torch backend; default nccl when CUDA is
+            available, gloo otherwise.
+        timeout: seconds (or a timedelta) a collective may wait before failing.
+        nodes: pretend the processes form this many nodes (also ``UNISON_NODES``).
+
+    Idempotent: a second call returns the same Topology. If torch.distributed
+    was already initialized by the user, that group is used as it is.
+    """
+    global _topology
+    if _topology is not None:
+        return _topology
+    if nodes is None and os.environ.get("UNISON_NODES"):
+        nodes = int(os.environ["UNISON_NODES"])
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+
+    info = detect_launch()
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank, local_world = info.local_rank, info.local_world_size
+        if world != info.world_size:  # launched some other way: assume one node
+            local_rank, local_world = rank, world
+        launcher = info.launcher
+    elif info.world_size == 1:
+        _topology = Topology(launcher=info.launcher, local_rank=0, local_world_size=1)
+        return _topology
+    else:
+        rank, world = info.rank, info.world_size
+        local_rank, local_world = info.local_rank, info.local_world_size
+        launcher = info.launcher
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
+
+    local_rank, local_world = _apply_simulated_nodes(rank, world, local_rank, local_world, nodes)
+    if world % local_world:
+        raise ValueError(f"local world size {local_world} does not divide the world size {world}")
+    topo = Topology(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        launcher=launcher,
+        backend=dist.get_backend(),
+        world_group=dist.group.WORLD,
+    )
+    if world > 1:
+        _build_groups(topo)
+    _topology = topo
+    return topo
+
+
+def topology() -> Topology:
+    """The Topology from ``init()``; a world of one if ``init()`` was never called."""
+    return _topology if _topology is not None else Topology()
+
+
+def shutdown() -> None:
+    """Destroy the process group started by ``init()`` and forget the topology."""
+    global _topology
+    _topology = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
