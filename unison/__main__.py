@@ -1,0 +1,7 @@
+"""``python -m unison COMMAND``: the same as the ``unison`` console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""The ``unison`` command line: ``unison train`` runs the digits training job on local processes.
+
+Subcommands live in one argparse parser so more (``unison bench``) can be added
+beside ``train``. ``main()`` is the console-script entry point and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from . import algorithms
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type for rates that must be above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_train_parser(subparsers) -> None:
+    """Declare ``unison train`` and its options; defaults come from TrainConfig."""
+    from .train import TrainConfig
+
+    defaults = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train an MLP on the UCI handwritten digits on local processes",
+        description="Train a small MLP on scikit-learn's bundled UCI handwritten digits, "
+        "data-parallel over local processes started by torch's elastic launcher.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--nproc", type=positive_int, default=defaults.nproc, help="worker processes")
+    p.add_argument("--algorithm", choices=algorithms.names(), default=defaults.algorithm, help="how replicas agree")
+    p.add_argument("--epochs", type=positive_int, default=defaults.epochs, help="passes over the training set")
+    p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="samples per step on each rank")
+    p.add_argument("--lr", type=positive_float, default=defaults.lr, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the split, the model and the shuffling")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH")
+    p.set_defaults(run=run_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command."""
+    parser = argparse.ArgumentParser(prog="unison", description="Data-parallel training with unison.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_train_parser(subparsers)
+    return parser
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Show the run's figures as a rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="unison train", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    table.add_row("test accuracy", f"{summary['test_accuracy']:.2%}")
+    table.add_row("final train loss", f"{summary['final_loss']:.4f}")
+    table.add_row("wall time", f"{summary['wall_time_s']:.1f} s (training {summary['train_time_s']:.1f} s)")
+    table.add_row("samples/s (all ranks)", f"{summary['samples_per_s']:,.0f}")
+    table.add_row("bytes communicated/step", f"{summary['bytes_per_step']:,.0f}")
+    table.add_row("algorithm", summary["algorithm"])
+    table.add_row("world size", str(summary["world_size"]))
+    table.add_row("epochs", str(summary["epochs"]))
+    Console().print(table)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Launch the training job, print its summary and write the JSON if asked."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .train import TrainConfig, launch
+
+    config = TrainConfig(
+        nproc=args.nproc,
+        algorithm=args.algorithm,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    try:
+        summary = launch(config)
+    except ChildFailedError as exc:
+        print(f"unison train: a worker process failed\n{exc}\nunison train: {root_cause(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"unison train: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    if args.json:
+        return write_json(args.json, summary)
+    return 0
+
+
+def root_cause(exc) -> str:
+    """One line naming the first failed rank and its error, to end a long launcher report."""
+    rank, failure = exc.get_first_failure()
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    lines = str(message or "").strip().splitlines()
+    return f"rank {rank} failed: {lines[-1].strip() if lines else f'exit code {failure.exitcode}'}"
+
+
+def write_json(path: str, summary: dict[str, Any]) -> int:
+    """Write ``summary`` to ``path``; return the exit code (1 with a message if it cannot)."""
+    try:
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        print(f"unison train: cannot write the JSON summary to {path}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv`` (default: the command line), run the command and return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("unison: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The `unison train` job: a small MLP learns the UCI handwritten digits on N local processes.
+
+``launch(config)`` starts ``config.nproc`` workers with torch's elastic launcher
+and returns rank 0's summary. ``worker(config)`` is what each process runs: it
+is a module-level function taking a plain dataclass so the launcher can pickle it.
+The data is scikit-learn's bundled copy of the digits, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import unison
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a worker needs to train; plain values only, so it pickles."""
+
+    nproc: int = 2
+    algorithm: str = "allreduce"
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    test_fraction: float = 0.2
+
+
+@dataclass
+class Digits:
+    """The standardized train and test splits as tensors."""
+
+    train: TensorDataset
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def load_data(seed: int, test_fraction: float) -> Digits:
+    """Split the digits (stratified, seeded) and standardize with training statistics only,
+    so the test set stays unseen."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+    scaler = StandardScaler().fit(x_train)
+    train = TensorDataset(features(scaler, x_train), torch.as_tensor(y_train, dtype=torch.long))
+    return Digits(train, features(scaler, x_test), torch.as_tensor(y_test, dtype=torch.long))
+
+
+def features(scaler, x) -> torch.Tensor:
+    """``x`` standardized by ``scaler``, as float32 (the model's dtype)."""
+    return torch.tensor(scaler.transform(x), dtype=torch.float32)
+
+
+def build_model(seed: int, n_in: int = 64, hidden: int = 128, n_out: int = 10) -> nn.Module:
+    """A two-hidden-layer MLP, initialized from ``seed`` so every rank starts alike."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(n_in, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, n_out),
+    )
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Fraction of ``x`` classified as ``y``, in eval mode without gradients; leaves the model training."""
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(dim=1) == y).sum().item()
+    model.train()
+    return correct / len(y)
+
+
+def global_mean(total: float, count: int) -> float:
+    """``total / count`` summed over all ranks, so every rank reports the same epoch loss."""
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([total, float(count)], dtype=torch.float64)
+        dist.all_reduce(t)
+        total, count = t[0].item(), int(t[1].item())
+    return total / max(count, 1)
+
+
+def progress_bar():
+    """A rich Progress showing, per epoch, steps done, the running loss and samples/s."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[rate]:>8.0f} samples/s"),
+        TimeElapsedColumn(),
+    )
+
+
+class NoProgress:
+    """Stands in for the progress bar on ranks other than 0, which print nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *args, **kwargs):
+        return None
+
+    def update(self, *args, **kwargs):
+        pass
+
+
+def train_epoch(model, loader, optimizer, loss_fn, bar, task, world_size: int) -> tuple[float, int]:
+    """One pass over this rank's shard; returns (summed loss, samples seen) on this rank."""
+    total, seen = 0.0, 0
+    start = time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item() * len(y)
+        seen += len(y)
+        rate = seen * world_size / max(time.perf_counter() - start, 1e-9)
+        bar.update(task, advance=1, loss=total / seen, rate=rate)
+    return total, seen
+
+
+def worker(config: TrainConfig) -> Optional[dict[str, Any]]:
+    """Train on this process's shard; rank 0 returns the run's summary, other ranks None.
+
+    Started by ``launch`` through torch's elastic launcher, whose environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) ``unison.init`` reads.
+    """
+    topo = unison.init()
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))
+        return run_training(config, topo)
+    finally:
+        unison.shutdown()
+
+
+def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[str, Any]]:
+    """The training loop proper, on an already initialized process group."""
+    data = load_data(config.seed, config.test_fraction)
+    net = build_model(config.seed)
+    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum)
+    model = unison.DataParallel(net, optimizer, algorithm=config.algorithm)
+    loader = unison.sharded_loader(data.train, batch_size=config.batch_size, seed=config.seed)
+    loss_fn = nn.CrossEntropyLoss()
+    is_main = topo.rank == 0
+
+    samples, epoch_loss = 0, float("nan")
+    start = time.perf_counter()
+    with progress_bar() if is_main else NoProgress() as bar:
+        for epoch in range(config.epochs):
+            loader.sampler.set_epoch(epoch)
+            task = bar.add_task(f"epoch {epoch + 1}/{config.epochs}", total=len(loader), loss=0.0, rate=0.0)
+            total, seen = train_epoch(model, loader, optimizer, loss_fn, bar, task, topo.world_size)
+            epoch_loss = global_mean(total, seen)
+            model.end_epoch(epoch_loss)
+            samples += seen * topo.world_size
+    train_time = time.perf_counter() - start
+
+    test_accuracy = accuracy(model, data.test_x, data.test_y)
+    if not is_main:
+        return None
+    return {
+        "test_accuracy": test_accuracy,
+        "final_loss": epoch_loss,
+        "train_time_s": train_time,
+        "samples_per_s": samples / train_time,
+        "bytes_per_step": float(model.comm_stats["bytes_per_step"]),
+        "algorithm": config.algorithm,
+        "world_size": topo.world_size,
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "seed": config.seed,
+    }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, for the rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: TrainConfig) -> dict[str, Any]:
+    """Run ``worker`` on ``config.nproc`` local processes with torch's elastic launcher.
+
+    Returns rank 0's summary with ``wall_time_s`` (the whole run, process start
+    included) added. A failing worker raises torch's ChildFailedError, which
+    carries the worker's traceback.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.nproc,
+        run_id=f"unison-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+    )
+    start = time.perf_counter()
+    results = elastic_launch(launch_config, worker)(config)
+    wall_time = time.perf_counter() - start
+    summary = results.get(0)
+    if summary is None:
+        raise RuntimeError("rank 0 finished without returning a summary")
+    return {**summary, "wall_time_s": wall_time}
