@@ -107,3 +107,17 @@ def frozen_mlp() -> MLP:
     for p in model.layers[0].parameters():
         p.requires_grad_(False)
     return model
+
+
+class ReverseRegistered(nn.Module):
+    """Layers registered in the order they are used, last first: the initial bucket
+    plan (reverse registration order) guesses the gradient order wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(64, DOUT)
+        self.mid = nn.Linear(64, 64)
+        self.inp = nn.Linear(DIN, 64)
+
+    def forward(self, x, **_):
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))

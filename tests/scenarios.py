@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
-from models import MLP, BNNet, Branchy, Checkpointed, Tied, batch, frozen_mlp, image_batch, token_batch
+from models import MLP, BNNet, Branchy, Checkpointed, ReverseRegistered, Tied, batch, frozen_mlp, image_batch, token_batch
 
 STEPS = 4
 
@@ -175,6 +175,20 @@ def many_buckets():
     return out
 
 
+def bucket_names(model):
+    reducer = model._reducer
+    return [[reducer.names[i] for i in b.indices] for b in reducer.buckets]
+
+
+def replanned():
+    """Buckets follow the real gradient order after the first step: ``out`` arrives first."""
+    plans = []
+    out = side_by_side(ReverseRegistered, unison_kwargs={"bucket_cap_mb": 0.01}, setup=lambda da, db: plans.append(bucket_names(db)))
+    out["plan_before"] = plans[0]
+    out["plan_after"] = bucket_names(out["model"])
+    return out
+
+
 def set_to_zero():
     def zeroing(model):
         opt = sgd(model)
@@ -306,6 +320,7 @@ SCENARIOS = {
     for f in (
         plain,
         many_buckets,
+        replanned,
         set_to_zero,
         no_sync,
         unused_everywhere,

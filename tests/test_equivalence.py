@@ -85,3 +85,10 @@ def test_state_dict(two_ranks):
     for r in two_ranks:
         assert r["state_dict_keys"]["keys_match"]
         assert r["state_dict_keys"]["loaded"]
+
+
+def test_buckets_replanned_from_real_gradient_order(two_ranks):
+    result = two_ranks[0]["replanned"]
+    assert result["plan_before"][0][0] == "inp.bias"  # reverse registration order
+    assert result["plan_after"][0][:2] == ["out.bias", "out.weight"] or result["plan_after"][0][:2] == ["out.weight", "out.bias"]
+    assert result["plan_after"] == two_ranks[1]["replanned"]["plan_after"]
