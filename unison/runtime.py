@@ -70,6 +70,13 @@ def _slurm_tasks_per_node(value: Optional[str]) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+# MPI launchers: name, then the variables of rank, world size, local rank, local size.
+_MPI_LAUNCHERS = (
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
 def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     """Read rank, world size, local rank and rendezvous address from ``env``.
 
@@ -80,21 +87,14 @@ def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     addr = env.get("MASTER_ADDR") or "127.0.0.1"
     port = _int(env, "MASTER_PORT")
 
+    mpi = next((m for m in _MPI_LAUNCHERS if m[1] in env), None)
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK")
-        local_world = _int(env, "LOCAL_WORLD_SIZE")
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        launcher = "openmpi"
-        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-    elif "PMI_RANK" in env:
-        launcher = "mpich"
-        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-        local_rank = _int(env, "MPI_LOCALRANKID")
-        local_world = _int(env, "MPI_LOCALNRANKS")
+        local_rank, local_world = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
+    elif mpi is not None:
+        launcher, *names = mpi
+        rank, world, local_rank, local_world = (_int(env, n) for n in names)
     elif "SLURM_PROCID" in env:
         launcher = "slurm"
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
