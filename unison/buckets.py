@@ -21,6 +21,7 @@ class Bucket:
 
     index: int
     indices: list[int]  # positions of the parameters in the owner's parameter list
+    names: list[str]
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
@@ -62,7 +63,7 @@ def plan(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, f
     return result
 
 
-def build(params: Sequence[torch.nn.Parameter], groups: list[list[int]]) -> list[Bucket]:
+def build(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: list[list[int]]) -> list[Bucket]:
     """Allocate a flat buffer per group and make each parameter's grad a view of it.
 
     Existing gradients are copied in; parameters without one keep ``grad=None``
@@ -73,14 +74,20 @@ def build(params: Sequence[torch.nn.Parameter], groups: list[list[int]]) -> list
         first = params[indices[0]]
         total = sum(params[i].numel() for i in indices)
         flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-        bucket = Bucket(b, list(indices), [params[i] for i in indices], flat)
-        offset = 0
-        for p in bucket.params:
-            view = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        bucket = Bucket(b, list(indices), [names[i] for i in indices], [params[i] for i in indices], flat)
+        bucket.views = split(flat, bucket.params)
+        for p, view in zip(bucket.params, bucket.views):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = view
-            bucket.views.append(view)
         buckets.append(bucket)
     return buckets
+
+
+def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive slices of ``flat`` shaped like ``like`` (a bucket's layout)."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out

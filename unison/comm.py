@@ -3,6 +3,7 @@ cross-rank agreement checks."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -123,3 +124,48 @@ def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dis
             f"the first one only rank {longer} has is {describe(extra)}. Every rank must wrap "
             f"the same model with the same settings."
         )
+
+
+class Pending:
+    """A result still being computed on a CommThread; ``wait()`` returns it or re-raises its error."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def wait(self):
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class CommThread:
+    """One background thread running blocking communication routines in submission order.
+
+    Algorithms whose reduction takes several dependent collectives (compress,
+    exchange, decompress, exchange again) submit one routine per bucket; a
+    single thread keeps every rank's collective sequence identical, and the
+    routine overlaps backward. Give it a private process group
+    (``private_group``) so its collectives never interleave with the main
+    thread's on the same group.
+    """
+
+    def __init__(self, name: str = "unison-comm"):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, fn: Callable, *args: Any) -> Pending:
+        return Pending(self._pool.submit(fn, *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def private_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A new process group with the same members as ``group``, for one algorithm's own traffic.
+
+    Only the members call this (group-local synchronization), in the same order.
+    """
+    if group is None:
+        return None
+    ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
 from .buckets import MB
-from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast
+from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast, default_reduce
 from .reducer import GradReducer
 
 # torch DDP arguments that have no meaning here: accepted, with a warning.
@@ -35,6 +35,9 @@ _IGNORED_DDP_ARGS = (
     "device_mesh",
     "skip_all_reduce_unused_params",
 )
+
+# The key under which DataParallel.state_dict() keeps the algorithm's state.
+ALGORITHM_KEY = "_unison_algorithm"
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
@@ -150,14 +153,7 @@ class DataParallel(nn.Module):
             ("setting", "negotiate_grads", self.negotiate_grads),
             ("setting", "delay_reduce", self.delay_reduce),
         ]
-
-        def describe(e):
-            if e[0] == "setting":
-                return f"setting {e[1]}={e[2]!r}"
-            extra = "" if e[0] == "buffer" or e[4] else ", frozen"
-            return f"{e[0]} {e[1]!r} (shape {list(e[2])}, {e[3].replace('torch.', '')}{extra})"
-
-        check_same_everywhere("the wrapped models", entries, self.process_group, describe)
+        check_same_everywhere("the wrapped models", entries, self.process_group, _describe_entry)
 
     def _start_algorithm(self) -> None:
         self.algorithm.setup(self)
@@ -168,6 +164,35 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and any(True for _ in self.module.buffers()):
             reducer.on_begin.append(self._start_buffer_sync)
             reducer.on_end.append(self._finish_buffer_sync)
+
+    def _stop_algorithm(self) -> None:
+        self.algorithm.flush(self)
+        self.algorithm.teardown(self)
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+
+    def switch_to(self, algorithm: Union[str, algos.Algorithm]) -> None:
+        """Change the algorithm mid-training, on every rank at the same step.
+
+        Pending communication completes, the replicas' parameters are averaged
+        (and buffers set to rank 0's), then the new algorithm takes over.
+        Registered comm hooks belong to the old algorithm and are dropped.
+        """
+        new = algos.resolve(algorithm)
+        if self.process_group is not None:
+            check_same_everywhere("the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group, _describe_entry)
+        self._stop_algorithm()
+        if self.process_group is not None:
+            with torch.no_grad():
+                params = [p for p in self.module.parameters()]
+                if params:
+                    default_reduce(params, self.process_group)
+                buffers = list(self.module.buffers())
+                if buffers and self.broadcast_buffers:
+                    self._broadcast_function(buffers, self.process_group)
+        self.algorithm = new
+        self._start_algorithm()
 
     def _start_buffer_sync(self) -> None:
         if self._broadcast_function is default_broadcast:
@@ -255,14 +280,34 @@ class DataParallel(nn.Module):
 
     # ---- state ----------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any):
-        """The wrapped module's state dict: same keys, no ``module.`` prefix."""
-        return self.module.state_dict(*args, **kwargs)
+        """The wrapped module's state dict (same keys, no ``module.`` prefix),
+        plus the algorithm's state under ``"_unison_algorithm"`` if it keeps any."""
+        self.algorithm.flush(self)
+        state = self.module.state_dict(*args, **kwargs)
+        algorithm_state = self.algorithm.state_dict()
+        if algorithm_state:
+            state[kwargs.get("prefix", "") + ALGORITHM_KEY] = {"name": self.algorithm.name, "state": algorithm_state}
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """Load a state dict of the wrapped module; a ``module.``-prefixed one (from torch DDP) too."""
-        if state_dict and all(k.startswith("module.") for k in state_dict):
-            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load a state dict saved by ``state_dict()``, by the wrapped module, or by
+        torch DDP (``module.`` prefix). The algorithm's state is restored when it
+        was saved by the same algorithm; from another one it is refused when
+        ``strict`` and ignored otherwise."""
+        state = dict(state_dict)
+        algorithm_state = state.pop(ALGORITHM_KEY, None) or state.pop("module." + ALGORITHM_KEY, None)
+        if state and all(k.startswith("module.") for k in state):
+            state = {k[len("module.") :]: v for k, v in state.items()}
+        if algorithm_state is not None and algorithm_state["name"] != self.algorithm.name and strict:
+            raise ValueError(
+                f"the state dict holds the state of algorithm {algorithm_state['name']!r} but this model runs "
+                f"{self.algorithm.name!r}; call switch_to({algorithm_state['name']!r}) first, or load with strict=False "
+                "to keep only the weights"
+            )
+        result = self.module.load_state_dict(state, strict=strict, assign=assign)
+        if algorithm_state is not None and algorithm_state["name"] == self.algorithm.name:
+            self.algorithm.load_state_dict(algorithm_state["state"])
+        return result
 
     @property
     def comm_stats(self) -> dict[str, float]:
@@ -276,6 +321,14 @@ class DataParallel(nn.Module):
             "bytes_last_step": r.bytes_last,
             "bytes_per_step": r.bytes_total / r.steps if r.steps else 0.0,
         }
+
+
+def _describe_entry(entry: tuple) -> str:
+    """How a construction-check entry reads in an error message."""
+    if entry[0] == "setting":
+        return f"setting {entry[1]}={entry[2]!r}"
+    extra = "" if entry[0] == "buffer" or entry[4] else ", frozen"
+    return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
 
 
 def _make_reducer(model: DataParallel, params, names) -> GradReducer:

@@ -97,7 +97,7 @@ class GradReducer:
 
     # ---- set-up ---------------------------------------------------------
     def _set_buckets(self, groups: list[list[int]]) -> None:
-        self.buckets = bucketing.build(self.params, groups)
+        self.buckets = bucketing.build(self.params, self.names, groups)
         n = len(self.params)
         self._bucket_of = [0] * n
         self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
@@ -233,14 +233,11 @@ class GradReducer:
             flags_work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._bytes += flags.numel()
         for bucket, handle in self._handles:
-            if isinstance(handle, torch._C.Future):
-                result = handle.wait()
-                if isinstance(result, (list, tuple)):
-                    result = result[0]
-                if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
-                    bucket.flat.copy_(result)
-            elif handle is not None:
-                handle.wait()
+            result = handle.wait() if handle is not None else None
+            if isinstance(result, (list, tuple)) and result:
+                result = result[0]
+            if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
+                bucket.flat.copy_(result)
         self._handles = []
         if flags is not None:
             flags_work.wait()

@@ -2,35 +2,49 @@
 
 >>> from unison import algorithms
 >>> algorithms.create("allreduce")
-allreduce()
+allreduce(hierarchical=False)
+
+Each algorithm is one module here; ``_BUILTIN`` maps its name to
+"module:Class", imported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Union
 
-from .allreduce import AllReduce
 from .base import Algorithm
 
-_REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (AllReduce,)}
+_BUILTIN: dict[str, str] = {
+    "allreduce": "allreduce:AllReduce",
+}
+_REGISTERED: dict[str, type[Algorithm]] = {}
 
 
 def names() -> list[str]:
     """The names ``create`` accepts."""
-    return sorted(_REGISTRY)
+    return sorted(set(_BUILTIN) | set(_REGISTERED))
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Make ``cls`` available to ``create`` under ``cls.name`` (usable as a decorator)."""
-    _REGISTRY[cls.name] = cls
+    _REGISTERED[cls.name] = cls
     return cls
+
+
+def get(name: str) -> type[Algorithm]:
+    """The Algorithm class registered under ``name``."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name not in _BUILTIN:
+        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(names())}")
+    module, cls = _BUILTIN[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
 def create(name: str, **options: Any) -> Algorithm:
     """An algorithm instance by name, with its options validated."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(names())}")
-    return _REGISTRY[name](**options)
+    return get(name)(**options)
 
 
 def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:
@@ -42,4 +56,4 @@ def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:
     raise TypeError(f"algorithm must be a name or an Algorithm, not {type(algorithm).__name__}")
 
 
-__all__ = ["Algorithm", "AllReduce", "create", "names", "register", "resolve"]
+__all__ = ["Algorithm", "create", "get", "names", "register", "resolve"]

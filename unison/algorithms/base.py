@@ -13,6 +13,10 @@ buckets and fires the events; the algorithm owns what is sent and when.
 | optimizer step | ``after_step``    | after ``optimizer.step()`` of a registered optimizer |
 | end of epoch   | ``end_epoch``     | when the user calls ``model.end_epoch(loss)`` |
 | switch / save  | ``flush``         | before switching algorithms or checkpointing |
+| switch away    | ``teardown``      | when DataParallel stops using the algorithm  |
+
+An algorithm's ``state_dict()`` (residuals, warm-start factors, momenta,
+counters) is saved inside DataParallel's state dict and restored exactly.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class Algorithm:
 
     def flush(self, model) -> None:
         """Finish any pending communication (before a switch or a checkpoint)."""
+
+    def teardown(self, model) -> None:
+        """The model stops using this algorithm: release threads and groups."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
