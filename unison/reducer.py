@@ -83,6 +83,9 @@ class GradReducer:
         self.reduce_function: Optional[Callable] = None
         self.before_sync: "OrderedDict[int, Callable]" = OrderedDict()
         self.on_begin: list[Callable[[], None]] = []
+        # Decides, once per backward pass, whether it synchronizes (default: the
+        # forward's no_sync state). DistributedOptimizer counts passes with it.
+        self.decide_sync: Optional[Callable[[], bool]] = None
         self.on_end: list[Callable[[], None]] = []
         # Counters.
         self.steps = 0
@@ -92,6 +95,7 @@ class GradReducer:
         self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
         self._replan_pending = True
         self._sync = True
+        self._in_pass = False
         self._active = False
         self._handles_hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
@@ -123,7 +127,7 @@ class GradReducer:
     def prepare(self, sync: bool) -> None:
         """Called at a forward with grad enabled: will the next backward synchronize?"""
         self._sync = sync
-        self._active = False  # a backward that failed half-way must not block this one
+        self._in_pass = self._active = False  # a backward that failed half-way must not block this one
 
     def watch(self, output: Any) -> None:
         """Hook the forward's outputs so the end-of-backward callback is queued on
@@ -133,8 +137,21 @@ class GradReducer:
                 t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, _grad):
-        if self._sync and not self._active:
+        self._start_pass()
+
+    def _start_pass(self) -> None:
+        """First event of a backward pass: begin a synchronized one, or mark a local one."""
+        if self._in_pass:
+            return
+        self._in_pass = True
+        sync = self._sync if self.decide_sync is None else self.decide_sync()
+        if sync:
             self._begin()
+        else:
+            Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
 
     # ---- backward ------------------------------------------------------
     def _begin(self) -> None:
@@ -153,10 +170,10 @@ class GradReducer:
         Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad(self, i: int) -> None:
-        if not self._sync:
-            return
+        if not self._in_pass:
+            self._start_pass()
         if not self._active:
-            self._begin()
+            return
         if self._fired[i]:
             if self._delayed:
                 return
@@ -211,7 +228,7 @@ class GradReducer:
         try:
             self._finish_backward()
         finally:
-            self._active = False
+            self._in_pass = self._active = False
 
     def _finish_backward(self) -> None:
         for fn in list(self.before_sync.values()):
