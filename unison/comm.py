@@ -163,9 +163,12 @@ class CommThread:
 def private_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """A new process group with the same members as ``group``, for one algorithm's own traffic.
 
-    Only the members call this (group-local synchronization), in the same order.
+    For the whole world every rank calls this in the same order; for a subgroup
+    only its members do (group-local synchronization).
     """
     if group is None:
         return None
+    if group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
+        return dist.new_group()
     ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
     return dist.new_group(ranks=ranks, use_local_synchronization=True)
