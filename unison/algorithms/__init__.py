@@ -17,6 +17,9 @@ from .base import Algorithm
 
 _BUILTIN: dict[str, str] = {
     "allreduce": "allreduce:AllReduce",
+    "bf16": "lowprec:BF16",
+    "fp16": "lowprec:FP16",
+    "bytegrad": "bytegrad:ByteGrad",
 }
 _REGISTERED: dict[str, type[Algorithm]] = {}
 
