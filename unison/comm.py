@@ -160,15 +160,34 @@ class CommThread:
         self._pool.shutdown(wait=True)
 
 
-def private_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A new process group with the same members as ``group``, for one algorithm's own traffic.
+_private_groups: dict[tuple, Optional[dist.ProcessGroup]] = {}
 
-    For the whole world every rank calls this in the same order; for a subgroup
-    only its members do (group-local synchronization).
+
+def private_group(group: Optional[dist.ProcessGroup], tag: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """A process group with the same members as ``group``, for one user's own traffic.
+
+    Collectives on it never interleave with those on ``group`` (they run in
+    their own sequence), so a background thread can use it safely. With a
+    ``tag`` the group is created once and handed out again for the same
+    (group, tag), e.g. when an algorithm is switched away and back. For the
+    whole world every rank calls this in the same order; for a subgroup only
+    its members do (group-local synchronization).
     """
     if group is None:
         return None
+    key = (group, tag)
+    if tag is not None and key in _private_groups:
+        return _private_groups[key]
     if group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
-        return dist.new_group()
-    ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+        new = dist.new_group()
+    else:
+        ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
+        new = dist.new_group(ranks=ranks, use_local_synchronization=True)
+    if tag is not None:
+        _private_groups[key] = new
+    return new
+
+
+def forget_private_groups() -> None:
+    """Drop the cached groups (when the default process group is destroyed)."""
+    _private_groups.clear()

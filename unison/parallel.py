@@ -8,6 +8,7 @@ gradients in flat buckets overlapped with backward.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -38,6 +39,10 @@ _IGNORED_DDP_ARGS = (
 
 # The key under which DataParallel.state_dict() keeps the algorithm's state.
 ALGORITHM_KEY = "_unison_algorithm"
+
+# Numbers DataParallel instances in creation order (the same on every rank), so
+# their private process groups can be found again after an algorithm switch.
+_serials = itertools.count()
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
@@ -105,6 +110,7 @@ class DataParallel(nn.Module):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
 
         self.module = module
+        self.serial = next(_serials)
         self.algorithm = algos.resolve(algorithm)
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb

@@ -25,6 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from . import buckets as bucketing
+from . import comm
 from .comm import src_rank
 
 
@@ -94,6 +95,10 @@ class GradReducer:
 
         self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
         self._replan_pending = True
+        self._flag_group = comm.private_group(group, f"{getattr(owner, 'serial', id(self))}/flags") if negotiate else None
+        self._unfinished = False
+        self._has = self._flags = None
+        self._waiting: dict[int, tuple[bucketing.Bucket, Any]] = {}
         self._sync = True
         self._in_pass = False
         self._active = False
@@ -155,6 +160,7 @@ class GradReducer:
 
     # ---- backward ------------------------------------------------------
     def _begin(self) -> None:
+        self.complete()  # a deferred completion must finish before buckets are rewritten
         self._active = True
         self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
         custom = self.comm_hook is not None or self.reduce_function is not None
@@ -231,6 +237,12 @@ class GradReducer:
             self._in_pass = self._active = False
 
     def _finish_backward(self) -> None:
+        self._launch_rest()
+        if not (self.algorithm.defers_completion and self._arrival is None):
+            self.complete()
+
+    def _launch_rest(self) -> None:
+        """End of backward: launch what has not started, and the has-a-gradient flags."""
         for fn in list(self.before_sync.values()):
             fn(self.owner)
         has = [True] * len(self.params)
@@ -244,34 +256,63 @@ class GradReducer:
                 self.reduce_function(self.buckets[b].views, self.group)
             else:
                 self._launch(b)
-        flags = None
+        self._has = has
+        self._flags = None
         if self.negotiate:
             flags = torch.tensor(has, dtype=torch.uint8, device=self.device)
-            flags_work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+            self._flags = (flags, work)
             self._bytes += flags.numel()
-        for bucket, handle in self._handles:
+        self._waiting = {bucket.index: (bucket, handle) for bucket, handle in self._handles}
+        self._handles = []
+        self._unfinished = True
+        self.steps += 1
+        self.bytes_last = self._bytes
+        self.bytes_total += self._bytes
+
+    def complete(self, buckets: Optional[Sequence[int]] = None) -> None:
+        """Wait for the reductions of ``buckets`` (default: all) of the last backward.
+
+        The flags and buffers are settled on the first call; the backward's
+        end event fires once every bucket is complete. Normally called at the
+        end of backward; algorithms that defer it (``defers_completion``) call
+        it per layer before the next forward.
+        """
+        if not self._unfinished:
+            return
+        if self._has is not None:  # first call for this backward
+            self._settle_flags()
+            for fn in self.on_end:
+                fn()
+        for b in list(self._waiting) if buckets is None else buckets:
+            entry = self._waiting.pop(b, None)
+            if entry is None:
+                continue
+            bucket, handle = entry
             result = handle.wait() if handle is not None else None
             if isinstance(result, (list, tuple)) and result:
                 result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
                 bucket.flat.copy_(result)
-        self._handles = []
-        if flags is not None:
-            flags_work.wait()
-            used_anywhere = flags.tolist()
-        else:
-            used_anywhere = [True] * len(self.params)
-        for i, local in enumerate(has):
-            if not local and used_anywhere[i]:
-                self.params[i].grad = self._views[i]
-        for fn in self.on_end:
-            fn()
-        self.steps += 1
-        self.bytes_last = self._bytes
-        self.bytes_total += self._bytes
+        if self._waiting:
+            return
+        self._unfinished = False
         if self._arrival is not None:
             self._replan(self._arrival)
         self.algorithm.after_backward(self.owner)
+
+    def _settle_flags(self) -> None:
+        """Give the average to parameters that had no local gradient but one elsewhere."""
+        if self._flags is not None:
+            flags, work = self._flags
+            work.wait()
+            used_anywhere = flags.tolist()
+        else:  # not negotiated: every parameter takes part
+            used_anywhere = [True] * len(self.params)
+        for i, local in enumerate(self._has):
+            if not local and used_anywhere[i]:
+                self.params[i].grad = self._views[i]
+        self._flags = self._has = None
 
     def _replan(self, arrival: list[int]) -> None:
         """Rebuild the buckets once, in rank 0's real gradient order."""

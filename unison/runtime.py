@@ -259,5 +259,8 @@ def shutdown() -> None:
     """Destroy the process group started by ``init()`` and forget the topology."""
     global _topology
     _topology = None
+    from .comm import forget_private_groups
+
+    forget_private_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

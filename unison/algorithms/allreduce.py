@@ -29,7 +29,7 @@ class AllReduce(Algorithm):
     def setup(self, model) -> None:
         self._hier = None
         if self.options["hierarchical"] and model.process_group is not None:
-            self._hier = _Hierarchy(model.process_group)
+            self._hier = _Hierarchy(model.process_group, f"{model.serial}/hierarchical")
 
     def teardown(self, model) -> None:
         if self._hier is not None:
@@ -51,7 +51,7 @@ class AllReduce(Algorithm):
 class _Hierarchy:
     """The groups and the thread of a hierarchical reduction (reduce, allreduce, broadcast)."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, tag: str) -> None:
         topo = runtime.topology()
         if topo.world_size != dist.get_world_size():
             raise ValueError("hierarchical allreduce needs the node layout: call unison.init() before building DataParallel")
@@ -60,8 +60,8 @@ class _Hierarchy:
         self.local_size, self.nodes = topo.local_world_size, topo.num_nodes
         self.leader = topo.node_ranks()[0]
         self.is_leader = topo.local_rank == 0
-        self.intra = comm.private_group(topo.intra_node_group)
-        self.inter = comm.private_group(topo.inter_node_group)
+        self.intra = comm.private_group(topo.intra_node_group, tag + "/intra")
+        self.inter = comm.private_group(topo.inter_node_group, tag + "/inter")
         self.thread = comm.CommThread("unison-hier")
 
     def reduce(self, flat) -> None:

@@ -38,6 +38,9 @@ class Algorithm:
     defaults: ClassVar[dict[str, Any]] = {}
     #: Whether DataParallel runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
+    #: Whether the end of backward leaves reductions in flight, for the
+    #: algorithm to complete later with ``model._reducer.complete(buckets)``.
+    defers_completion: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.defaults))
