@@ -216,13 +216,25 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.algorithm.before_forward(self)
         reducer = self._reducer
-        if reducer is None or not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        reducer.prepare(self._require_sync)
-        output = self.module(*args, **kwargs)
-        if self._require_sync:
-            reducer.watch(output)
+        if reducer is not None and torch.is_grad_enabled():
+            reducer.prepare(self._require_sync)
+            output = self.module(*args, **kwargs)
+            if self._require_sync:
+                reducer.watch(output)
+        else:
+            output = self.module(*args, **kwargs)
+        self.algorithm.after_forward(self, output)
         return output
+
+    def flush(self) -> None:
+        """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
+        self.algorithm.flush(self)
+
+    def train(self, mode: bool = True):
+        """Set training mode; leaving it (``eval()``) first flushes pending updates."""
+        if not mode and "algorithm" in self.__dict__:
+            self.algorithm.flush(self)
+        return super().train(mode)
 
     @contextmanager
     def no_sync(self):

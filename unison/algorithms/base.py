@@ -8,6 +8,7 @@ buckets and fires the events; the algorithm owns what is sent and when.
 | -------------- | ----------------- | -------------------------------------------- |
 | construction   | ``setup``         | once, when DataParallel is built or switched |
 | before forward | ``before_forward``| at the start of every forward                |
+| after forward  | ``after_forward`` | after every forward, with its output         |
 | bucket ready   | ``reduce_bucket`` | when a gradient bucket is complete, in order |
 | backward end   | ``after_backward``| after the buckets' reductions are complete   |
 | optimizer step | ``after_step``    | after ``optimizer.step()`` of a registered optimizer |
@@ -64,6 +65,9 @@ class Algorithm:
     # ---- events -------------------------------------------------------
     def setup(self, model) -> None:
         """Construction: build per-model state."""
+
+    def after_forward(self, model, output) -> None:
+        """After every forward of the wrapped module, with its output."""
 
     def grad_scale(self, world_size: int) -> float:
         """Factor applied to local gradients as they are copied into buckets."""

@@ -1,0 +1,132 @@
+"""Non-blocking updates: the same trajectory as blocking allreduce, with the
+updates applied layer by layer at the next forward."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import launch
+import unison
+from models import MLP, BNNet, Branchy, batch, image_batch
+from scenarios import max_diff, spread_across_ranks
+
+
+class Shared(torch.nn.Module):
+    """Uses another module's weight functionally: its update cannot be deferred."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(F.linear(x, self.a.weight))
+
+
+def twin(make, make_opts, data=batch, steps=5, loss_fn=None, scheduler=False, eval_every=0):
+    """Train "allreduce" and "nonblocking" side by side; return their gap."""
+    rank = dist.get_rank()
+    loss_fn = loss_fn or (lambda m, x, y: F.mse_loss(m(x), y))
+    torch.manual_seed(0)
+    base = make()
+    models, opts, scheds = [], [], []
+    for algorithm in ("allreduce", "nonblocking"):
+        net = copy.deepcopy(base)
+        o = make_opts(net)
+        models.append(unison.DataParallel(net, optimizer=o, algorithm=algorithm))
+        opts.append(o)
+        scheds.append([torch.optim.lr_scheduler.StepLR(x, step_size=2, gamma=0.5) for x in o] if scheduler else [])
+    for s in range(steps):
+        x, y = data(s, rank)
+        for model, o, sch in zip(models, opts, scheds):
+            for opt in o:
+                opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            for opt in o:
+                opt.step()
+            for sc in sch:
+                sc.step()
+            if eval_every and s % eval_every == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+    models[1].flush()
+    return {"gap": max_diff(models[0].module, models[1].module), "spread": spread_across_ranks(models[1].module)}
+
+
+def sgd(net):
+    return [torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)]
+
+
+def two(net):
+    params = list(net.parameters())
+    return [torch.optim.SGD(params[:2], lr=0.05), torch.optim.Adam(params[2:], lr=0.01)]
+
+
+def cases():
+    out = {
+        "sgd": twin(MLP, sgd),
+        "scheduler": twin(MLP, sgd, scheduler=True),
+        "two_optimizers": twin(MLP, two),
+        "batchnorm_eval": twin(BNNet, sgd, data=image_batch, eval_every=2),
+        "branches": twin(Branchy, sgd, loss_fn=lambda m, x, y: F.mse_loss(m(x, branch="a" if x[0, 0] > 0 else "b"), y), steps=8),
+    }
+    # state_dict flushes: the saved weights include the last step.
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = unison.DataParallel(net, optimizer=opt, algorithm="nonblocking")
+    x, y = batch(0, dist.get_rank())
+    before = copy.deepcopy(net.state_dict())
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    out["deferred"] = model._reducer._unfinished and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    saved = model.state_dict()
+    out["state_dict_flushes"] = any(not torch.equal(saved[k], before[k]) for k in before)
+    # A parameter used outside its module's forward is refused, not silently stale.
+    model2 = Shared()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    shared = unison.DataParallel(model2, optimizer=opt2, algorithm="nonblocking")
+    try:
+        for _ in range(2):
+            opt2.zero_grad()
+            shared(x).sum().backward()
+            opt2.step()
+        out["stale"] = None
+    except RuntimeError as exc:
+        out["stale"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch.run(cases, 2, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["sgd", "scheduler", "two_optimizers", "batchnorm_eval", "branches"])
+def test_same_trajectory_as_blocking(results, case):
+    for r in results:
+        assert r[case]["gap"] <= 1e-6, r[case]
+        assert r[case]["spread"] == 0.0
+
+
+def test_update_waits_for_the_next_forward(results):
+    assert all(r["deferred"] for r in results)
+
+
+def test_state_dict_applies_pending_update(results):
+    assert all(r["state_dict_flushes"] for r in results)
+
+
+def test_parameter_used_outside_its_module_is_refused(results):
+    for r in results:
+        assert r["stale"] is not None and "a.weight" in r["stale"]
+
+
+def test_needs_an_optimizer():
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        unison.DataParallel(torch.nn.Linear(2, 2), algorithm="nonblocking")
