@@ -1,0 +1,88 @@
+"""Wire codecs: plain functions turning flat tensors into fewer bytes and back.
+
+Each codec is a pair of functions over flat tensors, with no state and no
+communication, so an algorithm can compress a bucket (or part of one), send the
+pieces with any collective, and decode them on the other side. Every function
+is vectorized: one set of tensor operations whatever the number of chunks.
+
+8-bit min-max (``quantize_minmax`` / ``dequantize_minmax``)
+    The input is cut into equal chunks; each chunk is mapped linearly from its
+    own [min, max] onto the integers 0..255. A chunk costs one byte per element
+    plus 8 bytes of side data (its float32 min and scale), and decodes to
+    within half a quantization step (``scale / 2``) of the input. A constant
+    chunk has scale 0 and decodes exactly. Non-finite inputs are not
+    representable: a chunk holding inf or NaN decodes to NaN, so overflow
+    checks (e.g. AMP's grad scaler) still see it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The largest 8-bit code: a chunk's max maps to it, its min to 0.
+LEVELS = 255
+
+
+def pad_edge(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` flattened and extended to ``length`` elements by repeating its last one.
+
+    Repeating a real value (rather than zeros) keeps the padded chunk's range,
+    and so its quantization step, what the real values alone would give.
+    Returns ``x`` itself (flattened) when no padding is needed.
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if length < n:
+        raise ValueError(f"cannot pad {n} elements down to {length}")
+    if length == n:
+        return flat
+    out = flat.new_empty(length)
+    out[:n] = flat
+    out[n:] = flat[-1] if n else 0
+    return out
+
+
+def quantize_minmax(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to 8 bits per element, with a min and a scale per chunk.
+
+    ``x`` (any shape, read flat, converted to float32) is padded by repeating
+    its last element up to ``chunks * ceil(numel / chunks)`` and split into
+    ``chunks`` equal chunks. Returns ``(codes, mins, scales)``: ``codes`` is a
+    flat uint8 tensor of the padded length, ``mins`` and ``scales`` are
+    float32 tensors of length ``chunks``. Element ``i`` of chunk ``k`` decodes
+    as ``codes[i] * scales[k] + mins[k]``.
+    """
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    flat = x.detach().reshape(-1).float()
+    size = max(1, -(-flat.numel() // chunks))
+    rows = pad_edge(flat, size * chunks).view(chunks, size)
+    mins = rows.amin(dim=1)
+    scales = (rows.amax(dim=1) - mins) / LEVELS
+    # A constant chunk has scale 0: divide by 1 instead, every code is then 0.
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = (rows - mins[:, None]).div_(divisor[:, None]).round_().clamp_(0, LEVELS).to(torch.uint8)
+    return codes.reshape(-1), mins, scales
+
+
+def dequantize_minmax(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+    """Decode ``quantize_minmax``'s output: the first ``numel`` values, as float32.
+
+    ``codes`` holds ``len(mins)`` equal chunks; ``mins`` and ``scales`` are
+    their side data. Several quantized tensors with the same chunk length can
+    be decoded in one call by concatenating their codes, mins and scales.
+    """
+    chunks = mins.numel()
+    if scales.numel() != chunks or chunks == 0 or codes.numel() % chunks:
+        raise ValueError(f"{codes.numel()} codes cannot be split into the {chunks} chunks given by mins ({mins.numel()}) and scales ({scales.numel()})")
+    if numel > codes.numel():
+        raise ValueError(f"asked for {numel} values but only {codes.numel()} codes were given")
+    rows = codes.reshape(chunks, -1).float()
+    values = torch.addcmul(mins.float()[:, None], rows, scales.float()[:, None])
+    return values.reshape(-1)[:numel]
+
+
+def minmax_bytes(numel: int, chunks: int) -> int:
+    """Wire size of ``quantize_minmax(x, chunks)`` for ``numel`` elements: codes plus side data."""
+    size = max(1, -(-numel // chunks))
+    return size * chunks + 8 * chunks
