@@ -1,0 +1,57 @@
+"""Workloads and launching shared by the benchmarks."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import torch
+from torch import nn
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def mlp() -> nn.Module:
+    """About 21M parameters, as in the reference measurements."""
+    dims = [1024, 3072, 3072, 3072, 10]
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def cnn() -> nn.Module:
+    """A small CNN with BatchNorm for 32x32 RGB images."""
+
+    def block(cin, cout):
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
+
+    return nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), nn.Flatten(), nn.Linear(128 * 16, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+WORKLOADS = {
+    "mlp": (mlp, lambda g, n: torch.randn(n, 1024, generator=g)),
+    "cnn": (cnn, lambda g, n: torch.randn(n, 3, 32, 32, generator=g)),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn, nproc: int, *args) -> dict:
+    """Run ``fn(*args)`` on ``nproc`` local ranks with torch's elastic launcher."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)(*args)
+
+
