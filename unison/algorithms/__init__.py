@@ -17,6 +17,7 @@ from .base import Algorithm
 
 _BUILTIN: dict[str, str] = {
     "allreduce": "allreduce:AllReduce",
+    "powersgd": "powersgd:PowerSGD",
     "bf16": "lowprec:BF16",
     "fp16": "lowprec:FP16",
     "bytegrad": "bytegrad:ByteGrad",
