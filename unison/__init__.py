@@ -8,6 +8,7 @@ with a choice of how the replicas agree.
 
 from . import algorithms
 from .data import ShardSampler, sharded_loader
+from .optim import DistributedOptimizer, QAdamOptimizer
 from .parallel import DataParallel
 from .runtime import Topology, detect_launch, init, shutdown, topology
 
@@ -15,6 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "DistributedOptimizer",
+    "QAdamOptimizer",
     "ShardSampler",
     "Topology",
     "algorithms",

@@ -23,6 +23,11 @@ from torch.utils.data import TensorDataset
 import unison
 
 
+# The qadam run's Adam step size and full-precision warm-up (in steps; an epoch is 23 on 2 ranks).
+QADAM_LR = 0.003
+QADAM_WARMUP_STEPS = 50
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What a worker needs to train; plain values only, so it pickles."""
@@ -155,11 +160,19 @@ def worker(config: TrainConfig) -> Optional[dict[str, Any]]:
         unison.shutdown()
 
 
+def build_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+    """SGD with momentum; "qadam" runs only with its own optimizer, with its own step size
+    and warm-up (``config.lr`` is SGD's)."""
+    if config.algorithm == "qadam":
+        return unison.QAdamOptimizer(params, lr=QADAM_LR, warmup_steps=QADAM_WARMUP_STEPS)
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
 def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[str, Any]]:
     """The training loop proper, on an already initialized process group."""
     data = load_data(config.seed, config.test_fraction)
     net = build_model(config.seed)
-    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum)
+    optimizer = build_optimizer(config, net.parameters())
     model = unison.DataParallel(net, optimizer, algorithm=config.algorithm)
     loader = unison.sharded_loader(data.train, batch_size=config.batch_size, seed=config.seed)
     loss_fn = nn.CrossEntropyLoss()
@@ -190,7 +203,7 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
         "world_size": topo.world_size,
         "epochs": config.epochs,
         "batch_size": config.batch_size,
-        "lr": config.lr,
+        "lr": optimizer.param_groups[0]["lr"],
         "seed": config.seed,
     }
 

@@ -21,6 +21,7 @@ _BUILTIN: dict[str, str] = {
     "bf16": "lowprec:BF16",
     "fp16": "lowprec:FP16",
     "bytegrad": "bytegrad:ByteGrad",
+    "qadam": "qadam:QAdam",
 }
 _REGISTERED: dict[str, type[Algorithm]] = {}
 
