@@ -70,6 +70,35 @@ class Layout:
         return rows[:, : self.part].reshape(-1), side[:, 0].reshape(-1), side[:, 1].reshape(-1)
 
 
+def average_8bit(flat: torch.Tensor, group, chunk_size: int, residual=None) -> torch.Tensor:
+    """Sum ``flat`` across ``group`` in 8 bits, in place (blocking; run it on a CommThread).
+
+    ``flat`` holds this rank's share (already divided by the world size, so the
+    sum is the average). With ``residual``, it is added first and replaced by
+    what this rank's quantization lost. Every rank ends with the same values.
+    """
+    layout = Layout(flat.numel(), dist.get_world_size(group), chunk_size)
+    local = flat if residual is None else flat + residual
+    codes, mins, scales = quantize_minmax(pad_edge(local, layout.total), layout.world * layout.chunks)
+    if residual is not None:
+        residual.copy_(local).sub_(dequantize_minmax(codes, mins, scales, layout.numel))
+    received = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=flat.device)
+    dist.all_to_all_single(received, layout.pack(codes, mins, scales).reshape(-1), group=group)
+    summed = dequantize_minmax(*layout.unpack(received), layout.total).view(layout.world, layout.part).sum(dim=0)
+    mine = layout.pack(*quantize_minmax(summed, layout.chunks)).reshape(-1)
+    gathered = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=flat.device)
+    _all_gather(gathered, mine, group=group)
+    flat.copy_(dequantize_minmax(*layout.unpack(gathered), layout.numel))
+    return flat
+
+
+def wire_bytes_8bit(numel: int, world: int, chunk_size: int) -> int:
+    """Bytes ``average_8bit`` sends from one rank: world-1 packed parts in each exchange."""
+    if world == 1 or numel == 0:
+        return 0
+    return 2 * (world - 1) * Layout(numel, world, chunk_size).packed
+
+
 class ByteGrad(Algorithm):
     """8-bit compressed averaging: all_to_all of quantized parts, sum, all_gather of quantized sums.
 
@@ -112,10 +141,6 @@ class ByteGrad(Algorithm):
             self.thread.close()
             self.thread = None
 
-    def _layout(self, bucket, world: int) -> Layout:
-        """The cut of ``bucket`` into ``world`` parts with this algorithm's chunk size."""
-        return Layout(bucket.flat.numel(), world, self.options["chunk_size"])
-
     def reduce_bucket(self, bucket, group):
         """Submit the bucket's exchanges to the CommThread; nothing to do alone or for an empty bucket."""
         world = dist.get_world_size(group)
@@ -124,28 +149,11 @@ class ByteGrad(Algorithm):
         if not bucket.flat.is_floating_point():
             raise TypeError(f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}")
         residual = self.residuals.get(bucket) if self.residuals is not None else None
-        return self.thread.submit(self._reduce, bucket, self._layout(bucket, world), residual)
-
-    def _reduce(self, bucket, layout: Layout, residual) -> torch.Tensor:
-        """Runs on the CommThread: both exchanges, then decode into ``bucket.flat``."""
-        local = bucket.flat if residual is None else bucket.flat + residual
-        codes, mins, scales = quantize_minmax(pad_edge(local, layout.total), layout.world * layout.chunks)
-        if residual is not None:
-            residual.copy_(local).sub_(dequantize_minmax(codes, mins, scales, layout.numel))
-        received = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=bucket.flat.device)
-        dist.all_to_all_single(received, layout.pack(codes, mins, scales).reshape(-1), group=self.group)
-        summed = dequantize_minmax(*layout.unpack(received), layout.total).view(layout.world, layout.part).sum(dim=0)
-        mine = layout.pack(*quantize_minmax(summed, layout.chunks)).reshape(-1)
-        gathered = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=bucket.flat.device)
-        _all_gather(gathered, mine, group=self.group)
-        bucket.flat.copy_(dequantize_minmax(*layout.unpack(gathered), layout.numel))
-        return bucket.flat
+        return self.thread.submit(average_8bit, bucket.flat, self.group, self.options["chunk_size"], residual)
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
         """Packed parts sent to the other ranks: world-1 in the all_to_all, world-1 in the all_gather."""
-        if world_size == 1 or bucket.flat.numel() == 0:
-            return 0
-        return 2 * (world_size - 1) * self._layout(bucket, world_size).packed
+        return wire_bytes_8bit(bucket.flat.numel(), world_size, self.options["chunk_size"])
 
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residuals by parameter name (nothing without error feedback)."""

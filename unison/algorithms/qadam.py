@@ -30,8 +30,12 @@ import torch.distributed as dist
 from .. import comm
 from ..buckets import split
 from .base import Algorithm
-from .bytegrad import ByteGrad
+from .bytegrad import average_8bit, wire_bytes_8bit
 from .state import FlatState
+
+
+#: Elements per 8-bit quantization chunk (as bytegrad's default).
+CHUNK_SIZE = 1024
 
 
 class QAdam(Algorithm):
@@ -45,7 +49,6 @@ class QAdam(Algorithm):
         self.optimizer = None
         self.momentum = FlatState()
         self._seeded: set[str] = set()
-        self._codec = ByteGrad()
         self._compressing = False
         self.group = None
         self.thread = None
@@ -72,7 +75,6 @@ class QAdam(Algorithm):
         if model.process_group is not None and model.world_size > 1:
             self.group = comm.private_group(model.process_group, f"{model.serial}/qadam")
             self.thread = comm.CommThread("unison-qadam")
-            self._codec.group = self.group
 
     def teardown(self, model) -> None:
         if self.thread is not None:
@@ -109,7 +111,7 @@ class QAdam(Algorithm):
         of a coordinate with a tiny variance would be divided by that tiny
         variance in the optimizer and blow the parameter up.
         """
-        self._codec._reduce(bucket, self._codec._layout(bucket, world), None)
+        average_8bit(bucket.flat, self.group, CHUNK_SIZE)
         bucket.flat.mul_(denom)
         momentum.copy_(bucket.flat)
         return bucket.flat
@@ -158,7 +160,7 @@ class QAdam(Algorithm):
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
         if self._compressing:
-            return self._codec.bucket_wire_bytes(bucket, world_size)
+            return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
         return 2 * (world_size - 1) * bucket.nbytes // world_size
 
     def state_dict(self) -> dict[str, Any]:
