@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "powersgd": "powersgd:PowerSGD",
     "bf16": "lowprec:BF16",
     "fp16": "lowprec:FP16",
+    "nonblocking": "nonblocking:NonBlocking",
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
 }
