@@ -1,0 +1,31 @@
+"""Every algorithm learns the digits as well as "allreduce": test accuracy
+within 1 point after the same number of samples (the `unison train` job)."""
+
+import pytest
+import torch.distributed as dist
+
+import launch
+import unison
+from unison import train
+
+
+def train_each(names):
+    """The default `unison train` run once per algorithm, in one process group."""
+    topo = unison.topology()
+    results = {}
+    for name in names:
+        config = train.TrainConfig(nproc=dist.get_world_size(), algorithm=name)
+        summary = train.run_training(config, topo)
+        results[name] = None if summary is None else summary["test_accuracy"]
+    return results
+
+
+@pytest.fixture(scope="module")
+def accuracies():
+    return launch.run(train_each, 2, unison.algorithms.names(), timeout=400)[0]
+
+
+@pytest.mark.parametrize("name", unison.algorithms.names())
+def test_accuracy_within_one_point_of_allreduce(accuracies, name):
+    assert accuracies["allreduce"] >= 0.95
+    assert accuracies[name] >= accuracies["allreduce"] - 0.01, accuracies
