@@ -42,6 +42,36 @@ def pad_edge(x: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
+def minmax_params(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's min and quantization step (``(max - min) / 255``), float32."""
+    mins = rows.amin(dim=-1)
+    return mins, (rows.amax(dim=-1) - mins) / LEVELS
+
+
+def encode_rows_(rows: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the 8-bit codes of ``rows`` (float32, ``[..., size]``) into ``out`` (uint8, same shape).
+
+    ``rows`` is used as scratch and overwritten. ``(x - min) / scale`` rounded
+    to nearest is computed as one fused multiply-add plus 0.5, then truncated
+    by the conversion. A constant row (scale 0) gets code 0 everywhere.
+    """
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    shift = 0.5 - mins * inverse
+    torch.addcmul(shift[..., None], rows, inverse[..., None], out=rows)
+    rows.clamp_(0, LEVELS)
+    out.copy_(rows)
+
+
+def decode_rows(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = codes * scale + min`` row by row (``out`` float32, same shape as ``codes``)."""
+    return torch.addcmul(mins[..., None], codes, scales[..., None], out=out)
+
+
+def accumulate_rows_(acc: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor) -> None:
+    """``acc += codes * scale + min`` row by row, without decoding into a new tensor."""
+    acc.addcmul_(codes, scales[..., None]).add_(mins[..., None])
+
+
 def quantize_minmax(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to 8 bits per element, with a min and a scale per chunk.
 
@@ -56,12 +86,11 @@ def quantize_minmax(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     flat = x.detach().reshape(-1).float()
     size = max(1, -(-flat.numel() // chunks))
-    rows = pad_edge(flat, size * chunks).view(chunks, size)
-    mins = rows.amin(dim=1)
-    scales = (rows.amax(dim=1) - mins) / LEVELS
-    # A constant chunk has scale 0: divide by 1 instead, every code is then 0.
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = (rows - mins[:, None]).div_(divisor[:, None]).round_().clamp_(0, LEVELS).to(torch.uint8)
+    padded = pad_edge(flat, size * chunks)
+    rows = (padded.clone() if padded.data_ptr() == x.data_ptr() else padded).view(chunks, size)
+    mins, scales = minmax_params(rows)
+    codes = torch.empty(chunks, size, dtype=torch.uint8, device=rows.device)
+    encode_rows_(rows, mins, scales, codes)
     return codes.reshape(-1), mins, scales
 
 
@@ -77,9 +106,9 @@ def dequantize_minmax(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Ten
         raise ValueError(f"{codes.numel()} codes cannot be split into the {chunks} chunks given by mins ({mins.numel()}) and scales ({scales.numel()})")
     if numel > codes.numel():
         raise ValueError(f"asked for {numel} values but only {codes.numel()} codes were given")
-    rows = codes.reshape(chunks, -1).float()
-    values = torch.addcmul(mins.float()[:, None], rows, scales.float()[:, None])
-    return values.reshape(-1)[:numel]
+    rows = codes.reshape(chunks, -1)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    return decode_rows(rows, mins.float(), scales.float(), out).reshape(-1)[:numel]
 
 
 def minmax_bytes(numel: int, chunks: int) -> int:

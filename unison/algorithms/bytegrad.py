@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..compress import dequantize_minmax, pad_edge, quantize_minmax
+from ..compress import accumulate_rows_, decode_rows, encode_rows_, minmax_params
 from .base import Algorithm
 from .state import FlatState
 
@@ -38,16 +38,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 SIDE_BYTES = 8
 
 
-class Layout:
-    """How a bucket of ``numel`` elements is cut into ``world`` parts of ``chunks`` equal chunks.
+class Exchange:
+    """The 8-bit average of one flat buffer of ``numel`` elements over ``world`` ranks.
 
-    Every part has ``chunks * size`` elements (the bucket is padded to
-    ``world`` times that), so a chunk never straddles two parts and the whole
-    padded bucket is quantized with one call.
+    The buffer is cut into ``world`` parts of ``chunks`` equal chunks (padded
+    to ``world * part`` elements, so a chunk never straddles two parts). On
+    the wire each part is one row: its uint8 codes, then its chunks' float32
+    mins and scales as bytes. The work buffers are allocated once and reused
+    every step: fresh full-size buffers cost more than the arithmetic.
     """
 
-    def __init__(self, numel: int, world: int, chunk_size: int):
-        """Derive the part and chunk sizes; every rank computes the same ones."""
+    def __init__(self, numel: int, world: int, chunk_size: int, device: torch.device):
         self.numel, self.world = numel, world
         per_rank = -(-numel // world)
         self.chunks = -(-per_rank // chunk_size)
@@ -55,48 +56,76 @@ class Layout:
         self.part = self.chunks * self.size
         self.total = self.part * world
         self.packed = self.part + SIDE_BYTES * self.chunks
+        self.work = torch.empty(self.total, dtype=torch.float32, device=device)
+        self.send = torch.empty(world, self.packed, dtype=torch.uint8, device=device)
+        self.recv = torch.empty_like(self.send)
+        self.mine = torch.empty(self.packed, dtype=torch.uint8, device=device)
+        self.acc = torch.empty(self.chunks, self.size, dtype=torch.float32, device=device)
 
-    def pack(self, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """One uint8 row per part: its codes, then its chunks' mins and scales as bytes."""
-        parts = mins.numel() // self.chunks
-        side = torch.stack([mins.view(parts, self.chunks), scales.view(parts, self.chunks)], dim=1)
-        return torch.cat([codes.view(parts, self.part), side.reshape(parts, -1).view(torch.uint8)], dim=1)
+    def _codes(self, rows: torch.Tensor) -> torch.Tensor:
+        """The code area of packed rows, shaped ``[..., chunks, size]``."""
+        return rows[..., : self.part].unflatten(-1, (self.chunks, self.size))
 
-    def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inverse of ``pack`` for any number of rows: flat codes, mins and scales."""
-        rows = packed.view(-1, self.packed)
-        parts = rows.shape[0]
-        side = rows[:, self.part :].contiguous().view(torch.float32).view(parts, 2, self.chunks)
-        return rows[:, : self.part].reshape(-1), side[:, 0].reshape(-1), side[:, 1].reshape(-1)
+    def _side(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mins and scales stored in packed rows, as ``[..., chunks]`` float32."""
+        side = rows[..., self.part :].contiguous().view(torch.float32).unflatten(-1, (2, self.chunks))
+        return side[..., 0, :], side[..., 1, :]
+
+    def _encode(self, rows: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``rows`` (``[..., chunks, size]``, overwritten) into ``packed`` rows."""
+        mins, scales = minmax_params(rows)
+        packed[..., self.part :].copy_(torch.stack([mins, scales], dim=-2).flatten(-2).contiguous().view(torch.uint8))
+        encode_rows_(rows, mins, scales, self._codes(packed))
+        return mins, scales
+
+    def run(self, flat: torch.Tensor, group, residual=None) -> torch.Tensor:
+        """Sum ``flat`` across ``group`` in 8 bits, in place (blocking; run it on a CommThread).
+
+        ``flat`` holds this rank's share (already divided by the world size, so
+        the sum is the average). With ``residual``, it is added first and
+        replaced by what this rank's quantization lost. Every rank ends with
+        the same values: all decode the same gathered bytes.
+        """
+        n = self.numel
+        local = self.work[:n]
+        if residual is not None:
+            torch.add(flat, residual, out=local)
+            residual.copy_(local)
+        else:
+            local.copy_(flat)
+        self.work[n:] = self.work[n - 1]
+        rows = self.work.view(self.world, self.chunks, self.size)
+        mins, scales = self._encode(rows, self.send)
+        if residual is not None:
+            residual.sub_(decode_rows(self._codes(self.send), mins, scales, rows).reshape(-1)[:n])
+        dist.all_to_all_single(self.recv.view(-1), self.send.view(-1), group=group)
+        received_mins, received_scales = self._side(self.recv)
+        self.acc.zero_()
+        for r in range(self.world):
+            accumulate_rows_(self.acc, self._codes(self.recv[r]), received_mins[r], received_scales[r])
+        self._encode(self.acc, self.mine)
+        _all_gather(self.recv.view(-1), self.mine, group=group)
+        gathered_mins, gathered_scales = self._side(self.recv)
+        decode_rows(self._codes(self.recv), gathered_mins, gathered_scales, rows)
+        flat.copy_(self.work[:n])
+        return flat
 
 
-def average_8bit(flat: torch.Tensor, group, chunk_size: int, residual=None) -> torch.Tensor:
-    """Sum ``flat`` across ``group`` in 8 bits, in place (blocking; run it on a CommThread).
-
-    ``flat`` holds this rank's share (already divided by the world size, so the
-    sum is the average). With ``residual``, it is added first and replaced by
-    what this rank's quantization lost. Every rank ends with the same values.
-    """
-    layout = Layout(flat.numel(), dist.get_world_size(group), chunk_size)
-    local = flat if residual is None else flat + residual
-    codes, mins, scales = quantize_minmax(pad_edge(local, layout.total), layout.world * layout.chunks)
-    if residual is not None:
-        residual.copy_(local).sub_(dequantize_minmax(codes, mins, scales, layout.numel))
-    received = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=flat.device)
-    dist.all_to_all_single(received, layout.pack(codes, mins, scales).reshape(-1), group=group)
-    summed = dequantize_minmax(*layout.unpack(received), layout.total).view(layout.world, layout.part).sum(dim=0)
-    mine = layout.pack(*quantize_minmax(summed, layout.chunks)).reshape(-1)
-    gathered = torch.empty(layout.world * layout.packed, dtype=torch.uint8, device=flat.device)
-    _all_gather(gathered, mine, group=group)
-    flat.copy_(dequantize_minmax(*layout.unpack(gathered), layout.numel))
-    return flat
+def bucket_exchange(cache: dict, bucket, world: int, chunk_size: int) -> Exchange:
+    """The reusable Exchange of ``bucket`` kept in ``cache`` (rebuilt if the bucket changed size)."""
+    ex = cache.get(bucket.index)
+    if ex is None or ex.numel != bucket.flat.numel() or ex.world != world:
+        ex = cache[bucket.index] = Exchange(bucket.flat.numel(), world, chunk_size, bucket.flat.device)
+    return ex
 
 
 def wire_bytes_8bit(numel: int, world: int, chunk_size: int) -> int:
-    """Bytes ``average_8bit`` sends from one rank: world-1 packed parts in each exchange."""
+    """Bytes an Exchange sends from one rank: world-1 packed parts in each of its two collectives."""
     if world == 1 or numel == 0:
         return 0
-    return 2 * (world - 1) * Layout(numel, world, chunk_size).packed
+    per_rank = -(-numel // world)
+    chunks = -(-per_rank // chunk_size)
+    return 2 * (world - 1) * (chunks * -(-per_rank // chunks) + SIDE_BYTES * chunks)
 
 
 class ByteGrad(Algorithm):
@@ -120,6 +149,7 @@ class ByteGrad(Algorithm):
         self.residuals = FlatState() if self.options["error_feedback"] else None
         self.group = None
         self.thread = None
+        self._exchanges: dict[int, Exchange] = {}
 
     def validate(self) -> None:
         """error_feedback is a bool; chunk_size a positive int."""
@@ -149,7 +179,7 @@ class ByteGrad(Algorithm):
         if not bucket.flat.is_floating_point():
             raise TypeError(f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}")
         residual = self.residuals.get(bucket) if self.residuals is not None else None
-        return self.thread.submit(average_8bit, bucket.flat, self.group, self.options["chunk_size"], residual)
+        return self.thread.submit(bucket_exchange(self._exchanges, bucket, world, self.options["chunk_size"]).run, bucket.flat, self.group, residual)
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
         """Packed parts sent to the other ranks: world-1 in the all_to_all, world-1 in the all_gather."""

@@ -67,11 +67,6 @@ def initial_q(name: str, cols: int, rank: int, salt: int, dtype: torch.dtype, de
     return torch.randn(cols, rank, generator=g, dtype=dtype).to(device)
 
 
-def approximation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The matrix P Q^T that the factors stand for."""
-    return p @ q.t()
-
-
 @dataclass
 class BucketPlan:
     """Which of a bucket's parameters are compressed, and the sizes of the packed buffers."""
@@ -229,8 +224,14 @@ class PowerSGD(Algorithm):
         residual_views = split(residual, views)
         for k, i in enumerate(plan.compressed):
             mat, p = mats[k], ps[k]
-            residual_views[i].copy_((mat - approximation(p, local_qs[k])).reshape(views[i].shape))
-            views[i].copy_(approximation(p, new_qs[k]).reshape(views[i].shape))
+            n, m = plan.shapes[k]
+            # residual = M - P Q_local^T and grad = P Q^T, each in one operation (in place when dtypes allow).
+            if mat.dtype == bucket.dtype:
+                torch.addmm(mat, p, local_qs[k].t(), alpha=-1, out=residual_views[i].view(n, m))
+                torch.matmul(p, new_qs[k].t(), out=views[i].view(n, m))
+            else:
+                residual_views[i].view(n, m).copy_(torch.addmm(mat, p, local_qs[k].t(), alpha=-1))
+                views[i].view(n, m).copy_(p @ new_qs[k].t())
             self.qs[bucket.names[i]] = new_qs[k]
         for i in plan.plain:
             residual_views[i].zero_()

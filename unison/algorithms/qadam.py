@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import comm
 from ..buckets import split
 from .base import Algorithm
-from .bytegrad import average_8bit, wire_bytes_8bit
+from .bytegrad import Exchange, bucket_exchange, wire_bytes_8bit
 from .state import FlatState
 
 
@@ -50,6 +50,7 @@ class QAdam(Algorithm):
         self.momentum = FlatState()
         self._seeded: set[str] = set()
         self._compressing = False
+        self._exchanges: dict[int, Exchange] = {}
         self.group = None
         self.thread = None
 
@@ -111,7 +112,7 @@ class QAdam(Algorithm):
         of a coordinate with a tiny variance would be divided by that tiny
         variance in the optimizer and blow the parameter up.
         """
-        average_8bit(bucket.flat, self.group, CHUNK_SIZE)
+        bucket_exchange(self._exchanges, bucket, world, CHUNK_SIZE).run(bucket.flat, self.group)
         bucket.flat.mul_(denom)
         momentum.copy_(bucket.flat)
         return bucket.flat
