@@ -51,25 +51,22 @@ def minmax_params(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def encode_rows_(rows: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """Write the 8-bit codes of ``rows`` (float32, ``[..., size]``) into ``out`` (uint8, same shape).
 
-    ``rows`` is used as scratch and overwritten. ``(x - min) / scale`` rounded
-    to nearest is computed as one fused multiply-add plus 0.5, then truncated
-    by the conversion. A constant row (scale 0) gets code 0 everywhere.
+    ``rows`` is used as scratch and overwritten: ``(x - min) / scale + 0.5``,
+    clamped, then truncated by the conversion (rounding to nearest). A
+    constant row (scale 0) gets code 0 everywhere. Each step is a separate
+    same-dtype in-place operation: mixed-dtype fused ones are several times
+    slower on CPU.
     """
     inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     shift = 0.5 - mins * inverse
-    torch.addcmul(shift[..., None], rows, inverse[..., None], out=rows)
-    rows.clamp_(0, LEVELS)
+    rows.mul_(inverse[..., None]).add_(shift[..., None]).clamp_(0, LEVELS)
     out.copy_(rows)
 
 
 def decode_rows(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = codes * scale + min`` row by row (``out`` float32, same shape as ``codes``)."""
-    return torch.addcmul(mins[..., None], codes, scales[..., None], out=out)
-
-
-def accumulate_rows_(acc: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor) -> None:
-    """``acc += codes * scale + min`` row by row, without decoding into a new tensor."""
-    acc.addcmul_(codes, scales[..., None]).add_(mins[..., None])
+    out.copy_(codes)
+    return out.mul_(scales[..., None]).add_(mins[..., None])
 
 
 def quantize_minmax(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

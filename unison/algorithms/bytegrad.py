@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..compress import accumulate_rows_, decode_rows, encode_rows_, minmax_params
+from ..compress import decode_rows, encode_rows_, minmax_params
 from .base import Algorithm
 from .state import FlatState
 
@@ -100,9 +100,7 @@ class Exchange:
             residual.sub_(decode_rows(self._codes(self.send), mins, scales, rows).reshape(-1)[:n])
         dist.all_to_all_single(self.recv.view(-1), self.send.view(-1), group=group)
         received_mins, received_scales = self._side(self.recv)
-        self.acc.zero_()
-        for r in range(self.world):
-            accumulate_rows_(self.acc, self._codes(self.recv[r]), received_mins[r], received_scales[r])
+        torch.sum(decode_rows(self._codes(self.recv), received_mins, received_scales, rows), dim=0, out=self.acc)
         self._encode(self.acc, self.mine)
         _all_gather(self.recv.view(-1), self.mine, group=group)
         gathered_mins, gathered_scales = self._side(self.recv)
