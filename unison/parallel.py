@@ -165,8 +165,11 @@ class DataParallel(nn.Module):
         self.algorithm.setup(self)
         if self.process_group is None or not self.algorithm.reduces_gradients or not self._trainable:
             return
+        group = self.algorithm.gradient_group(self)
+        if group is None or dist.get_world_size(group) == 1:
+            return
         names, params = zip(*self._trainable)
-        self._reducer = reducer = _make_reducer(self, params, names)
+        self._reducer = reducer = _make_reducer(self, params, names, group)
         if self.broadcast_buffers and any(True for _ in self.module.buffers()):
             reducer.on_begin.append(self._start_buffer_sync)
             reducer.on_end.append(self._finish_buffer_sync)
@@ -188,15 +191,8 @@ class DataParallel(nn.Module):
         new = algos.resolve(algorithm)
         if self.process_group is not None:
             check_same_everywhere("the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group, _describe_entry)
+        self.average()
         self._stop_algorithm()
-        if self.process_group is not None:
-            with torch.no_grad():
-                params = [p for p in self.module.parameters()]
-                if params:
-                    default_reduce(params, self.process_group)
-                buffers = list(self.module.buffers())
-                if buffers and self.broadcast_buffers:
-                    self._broadcast_function(buffers, self.process_group)
         self.algorithm = new
         self._start_algorithm()
 
@@ -225,6 +221,27 @@ class DataParallel(nn.Module):
             output = self.module(*args, **kwargs)
         self.algorithm.after_forward(self, output)
         return output
+
+    def average(self) -> None:
+        """Make every replica identical now: a collective, so every rank must call it.
+
+        Pending work is finished, the algorithm does its final sync, then the
+        parameters are averaged and the buffers set to rank 0's. For
+        model-averaging algorithms, whose replicas drift apart between syncs,
+        call it at the end of training before saving; ``state_dict()`` itself
+        never communicates, so saving on rank 0 alone cannot hang.
+        """
+        self.algorithm.flush(self)
+        if self.process_group is None:
+            return
+        self.algorithm.average(self)
+        with torch.no_grad():
+            params = list(self.module.parameters())
+            if params:
+                default_reduce(params, self.process_group)
+            buffers = list(self.module.buffers())
+            if buffers and self.broadcast_buffers:
+                self._broadcast_function(buffers, self.process_group)
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
@@ -349,12 +366,12 @@ def _describe_entry(entry: tuple) -> str:
     return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
 
 
-def _make_reducer(model: DataParallel, params, names) -> GradReducer:
+def _make_reducer(model: DataParallel, params, names, group) -> GradReducer:
     reducer = GradReducer(
         model,
         params,
         names,
-        model.process_group,
+        group,
         model.algorithm,
         bucket_cap_bytes=int(model.bucket_cap_mb * MB),
         negotiate=model.negotiate_grads,

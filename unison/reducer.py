@@ -150,7 +150,7 @@ class GradReducer:
             return
         self._in_pass = True
         sync = self._sync if self.decide_sync is None else self.decide_sync()
-        if sync:
+        if sync and self.algorithm.sync_gradients(self.owner):
             self._begin()
         else:
             Variable._execution_engine.queue_callback(self._end_pass)

@@ -14,6 +14,7 @@ buckets and fires the events; the algorithm owns what is sent and when.
 | optimizer step | ``after_step``    | after ``optimizer.step()`` of a registered optimizer |
 | end of epoch   | ``end_epoch``     | when the user calls ``model.end_epoch(loss)`` |
 | switch / save  | ``flush``         | before switching algorithms or checkpointing |
+| final average  | ``average``       | ``model.average()`` and before a switch      |
 | switch away    | ``teardown``      | when DataParallel stops using the algorithm  |
 
 An algorithm's ``state_dict()`` (residuals, warm-start factors, momenta,
@@ -69,6 +70,18 @@ class Algorithm:
     def after_forward(self, model, output) -> None:
         """After every forward of the wrapped module, with its output."""
 
+    def sync_gradients(self, model) -> bool:
+        """Whether the backward pass about to run averages gradients (asked once per pass).
+
+        Model-averaging algorithms answer False after their warm-up: their
+        replicas then train on local gradients.
+        """
+        return True
+
+    def gradient_group(self, model):
+        """The process group gradients are averaged over (DASO: the node)."""
+        return model.process_group
+
     def grad_scale(self, world_size: int) -> float:
         """Factor applied to local gradients as they are copied into buckets."""
         return 1.0 / world_size
@@ -94,7 +107,14 @@ class Algorithm:
         """At the end of an epoch, with the epoch's loss if the user gives one."""
 
     def flush(self, model) -> None:
-        """Finish any pending communication (before a switch or a checkpoint)."""
+        """Finish this rank's pending work (local: no new collective), before a switch or a checkpoint."""
+
+    def average(self, model) -> None:
+        """Make every replica identical now (a collective: every rank calls it).
+
+        Called by ``DataParallel.average()`` and before a switch; algorithms
+        whose replicas drift apart between syncs override it.
+        """
 
     def teardown(self, model) -> None:
         """The model stops using this algorithm: release threads and groups."""
@@ -105,3 +125,12 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"algorithm {self.name!r} keeps no state but was given {sorted(state)}")
+
+
+def require_optimizers(model, name: str) -> None:
+    """Refuse to run algorithm ``name`` on a model built without its optimizer(s)."""
+    if not model.optimizers:
+        raise ValueError(
+            f"{name!r} acts after each optimizer step, so it needs the optimizer(s): "
+            f"DataParallel(module, optimizer=opt, algorithm={name!r})"
+        )

@@ -1,0 +1,73 @@
+"""Averaging parameters (or any tensors) across ranks: blocking or started now
+and collected later, optionally cast down for the wire.
+
+The model-averaging algorithms (local SGD, DASO, decentralized, async,
+DiLoCo) average weights or weight differences rather than gradients; they all
+do it through these two helpers. Tensors are coalesced into flat chunks (one
+collective per chunk); a wire dtype (bf16, fp16) halves the bytes, and values
+are divided by the world size before the sum so fp16 cannot overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buckets import MB, split
+from .comm import _chunks, flatten
+
+#: Default size of one coalesced collective.
+CHUNK_BYTES = 25 * MB
+
+
+class AsyncAverage:
+    """The average of ``tensors`` over ``group``, launched at construction.
+
+    The values are copied when it starts (later changes to ``tensors`` do not
+    race with the communication); ``wait()`` returns the averages as new
+    tensors shaped and typed like the inputs. ``wire_bytes`` is what this
+    rank sends (a ring allreduce sends 2 (n-1)/n of each buffer).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        wire_dtype: Optional[torch.dtype] = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        world = dist.get_world_size(group)
+        self._parts = []
+        self.wire_bytes = 0
+        with torch.no_grad():
+            for chunk in _chunks(list(tensors), chunk_bytes):
+                flat = flatten(chunk)
+                wire = flat.to(wire_dtype) if wire_dtype is not None and flat.is_floating_point() else flat
+                wire.div_(world)
+                work = dist.all_reduce(wire, group=group, async_op=True)
+                self._parts.append((chunk, wire, work))
+                self.wire_bytes += 2 * (world - 1) * wire.numel() * wire.element_size() // world
+        self._order = [id(t) for t in tensors]
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for _, _, work in self._parts)
+
+    def wait(self) -> list[torch.Tensor]:
+        """The averaged values, in the order of the tensors given."""
+        by_id = {}
+        for chunk, wire, work in self._parts:
+            work.wait()
+            for t, value in zip(chunk, split(wire, chunk)):
+                by_id[id(t)] = value.to(t.dtype)
+        return [by_id[i] for i in self._order]
+
+
+def average_(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire_dtype: Optional[torch.dtype] = None) -> int:
+    """Replace ``tensors`` by their average over ``group`` (blocking); returns the bytes sent."""
+    pending = AsyncAverage(tensors, group, wire_dtype)
+    with torch.no_grad():
+        for t, value in zip(tensors, pending.wait()):
+            t.copy_(value)
+    return pending.wire_bytes
