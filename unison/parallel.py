@@ -120,6 +120,7 @@ class DataParallel(nn.Module):
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
         self._reducer = None
+        self._retired_bytes = self._retired_steps = self._optimizer_steps = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
 
         if dist.is_available() and dist.is_initialized():
@@ -177,7 +178,10 @@ class DataParallel(nn.Module):
     def _stop_algorithm(self) -> None:
         self.algorithm.flush(self)
         self.algorithm.teardown(self)
+        self._retired_bytes += getattr(self.algorithm, "bytes_sent", 0)
         if self._reducer is not None:
+            self._retired_bytes += self._reducer.bytes_total
+            self._retired_steps += self._reducer.steps
             self._reducer.remove()
             self._reducer = None
 
@@ -268,8 +272,13 @@ class DataParallel(nn.Module):
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self.algorithm.after_step(self, opt))
+        optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt))
         self.optimizers.append(optimizer)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is self.optimizers[0]:
+            self._optimizer_steps += 1
+        self.algorithm.after_step(self, optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:
         """Tell the algorithm an epoch ended (schedules such as DASO's use the loss)."""
@@ -346,15 +355,17 @@ class DataParallel(nn.Module):
 
     @property
     def comm_stats(self) -> dict[str, float]:
-        """Bytes this rank sent for gradients: total, last step, and steps synchronized."""
+        """What this rank sent: gradient buckets plus the algorithm's own traffic (weights,
+        pseudo-gradients), in total, in the last backward pass, and per optimizer step
+        (per synchronized backward pass when no optimizer was given)."""
         r = self._reducer
-        if r is None:
-            return {"steps": 0, "bytes_total": 0, "bytes_last_step": 0, "bytes_per_step": 0.0}
+        total = self._retired_bytes + (r.bytes_total if r else 0) + getattr(self.algorithm, "bytes_sent", 0)
+        steps = self._optimizer_steps if self.optimizers else self._retired_steps + (r.steps if r else 0)
         return {
-            "steps": r.steps,
-            "bytes_total": r.bytes_total,
-            "bytes_last_step": r.bytes_last,
-            "bytes_per_step": r.bytes_total / r.steps if r.steps else 0.0,
+            "steps": steps,
+            "bytes_total": total,
+            "bytes_last_step": r.bytes_last if r else 0,
+            "bytes_per_step": total / steps if steps else 0.0,
         }
 
 
