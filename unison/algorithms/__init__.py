@@ -20,9 +20,11 @@ _BUILTIN: dict[str, str] = {
     "powersgd": "powersgd:PowerSGD",
     "bf16": "lowprec:BF16",
     "fp16": "lowprec:FP16",
+    "local_sgd": "local_sgd:LocalSGD",
     "nonblocking": "nonblocking:NonBlocking",
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
+    "diloco": "diloco:DiLoCo",
 }
 _REGISTERED: dict[str, type[Algorithm]] = {}
 

@@ -39,13 +39,12 @@ class AllReduce(Algorithm):
     def reduce_bucket(self, bucket, group):
         if self._hier is not None:
             return self._hier.thread.submit(self._hier.reduce, bucket.flat)
-        return dist.all_reduce(bucket.flat, group=group, async_op=True)
+        return super().reduce_bucket(bucket, group)
 
     def bucket_wire_bytes(self, bucket, world_size):
         if self._hier is not None:
             return self._hier.wire_bytes(bucket.nbytes)
-        # A ring allreduce sends 2 (n-1)/n of the buffer from every rank.
-        return 2 * (world_size - 1) * bucket.nbytes // world_size
+        return super().bucket_wire_bytes(bucket, world_size)
 
 
 class _Hierarchy:

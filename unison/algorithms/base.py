@@ -87,12 +87,17 @@ class Algorithm:
         return 1.0 / world_size
 
     def reduce_bucket(self, bucket, group: Optional[dist.ProcessGroup]):
-        """Start reducing ``bucket.flat`` in place; return something with ``wait()``."""
-        raise NotImplementedError(f"algorithm {self.name!r} does not reduce gradient buckets")
+        """Start reducing ``bucket.flat`` in place; return something with ``wait()``.
+
+        The default is one asynchronous allreduce (the gradients were scaled by
+        ``grad_scale``, so the sum is the average): what "allreduce" does, and
+        what model-averaging algorithms use during their synchronous warm-up.
+        """
+        return dist.all_reduce(bucket.flat, group=group, async_op=True)
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
-        """Bytes this rank sends for one bucket (for the per-step byte counter)."""
-        return 0
+        """Bytes this rank sends for one bucket (a ring allreduce sends 2 (n-1)/n of it)."""
+        return 2 * (world_size - 1) * bucket.nbytes // world_size
 
     def before_forward(self, model) -> None:
         """Before every forward of the wrapped module."""
@@ -134,3 +139,11 @@ def require_optimizers(model, name: str) -> None:
             f"{name!r} acts after each optimizer step, so it needs the optimizer(s): "
             f"DataParallel(module, optimizer=opt, algorithm={name!r})"
         )
+
+
+def check_int(options: dict, name: str, minimum: int = 1) -> None:
+    """Refuse an option that is not an integer of at least ``minimum`` (bools are not integers here)."""
+    value = options[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
