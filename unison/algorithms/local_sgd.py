@@ -24,7 +24,7 @@ class LocalSGD(Algorithm):
     """Periodic weight averaging after a synchronous warm-up."""
 
     name = "local_sgd"
-    defaults = {"period": 8, "warmup_steps": 50, "hierarchical": False, "local_period": 2}
+    defaults = {"period": 16, "warmup_steps": 0, "hierarchical": False, "local_period": 2}
 
     def validate(self) -> None:
         check_int(self.options, "period")
