@@ -135,7 +135,7 @@ def test_hierarchical_averages_nodes_first():
     [
         ({"period": 0}, "period must be a positive integer"),
         ({"warmup_steps": -1}, "warmup_steps must be an integer of at least 0"),
-        ({"hierarchical": True, "local_period": 8}, "local_period .8. must be smaller than period"),
+        ({"hierarchical": True, "local_period": 16}, "local_period .16. must be smaller than period"),
         ({"hierarchical": "yes"}, "hierarchical must be True or False"),
     ],
 )
