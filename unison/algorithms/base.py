@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 class Algorithm:
     """Base class; subclasses set ``name`` and ``defaults`` and override events.
@@ -121,8 +123,19 @@ class Algorithm:
         whose replicas drift apart between syncs override it.
         """
 
+    def open_thread(self, model, group=None) -> None:
+        """Give this algorithm a private process group (``self.group``, a copy of
+        ``group``, default the model's) and a CommThread (``self.thread``) for
+        reductions of several dependent collectives; ``teardown`` closes it."""
+        self.group = comm.private_group(group if group is not None else model.process_group, f"{model.serial}/{self.name}")
+        self.thread = comm.CommThread(f"unison-{self.name}")
+
     def teardown(self, model) -> None:
-        """The model stops using this algorithm: release threads and groups."""
+        """The model stops using this algorithm: release its thread, if it opened one."""
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            thread.close()
+            self.thread = None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

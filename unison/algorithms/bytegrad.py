@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..compress import decode_rows, encode_rows_, minmax_params
 from .base import Algorithm
 from .state import FlatState
@@ -160,14 +159,8 @@ class ByteGrad(Algorithm):
     def setup(self, model) -> None:
         """With more than one rank: a private group and a CommThread for the two exchanges."""
         if model.process_group is not None and model.world_size > 1:
-            self.group = comm.private_group(model.process_group, f"{model.serial}/bytegrad")
-            self.thread = comm.CommThread("unison-bytegrad")
+            self.open_thread(model)
 
-    def teardown(self, model) -> None:
-        """Stop the CommThread (after the routines already submitted)."""
-        if self.thread is not None:
-            self.thread.close()
-            self.thread = None
 
     def reduce_bucket(self, bucket, group):
         """Submit the bucket's exchanges to the CommThread; nothing to do alone or for an empty bucket."""

@@ -148,13 +148,8 @@ class PowerSGD(Algorithm):
 
     # ---- events -------------------------------------------------------
     def setup(self, model) -> None:
-        self.group = comm.private_group(model.process_group, f"{model.serial}/powersgd")
-        self.thread = comm.CommThread("unison-powersgd")
+        self.open_thread(model)
 
-    def teardown(self, model) -> None:
-        if self.thread is not None:
-            self.thread.close()
-            self.thread = None
 
     def compressing(self) -> bool:
         """Whether the current backward pass compresses (the warm-up is over)."""

@@ -27,7 +27,6 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..buckets import split
 from .base import Algorithm
 from .bytegrad import Exchange, bucket_exchange, wire_bytes_8bit
@@ -74,13 +73,8 @@ class QAdam(Algorithm):
                     f"parameter; it does not hold {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                 )
         if model.process_group is not None and model.world_size > 1:
-            self.group = comm.private_group(model.process_group, f"{model.serial}/qadam")
-            self.thread = comm.CommThread("unison-qadam")
+            self.open_thread(model)
 
-    def teardown(self, model) -> None:
-        if self.thread is not None:
-            self.thread.close()
-            self.thread = None
 
     def reduce_bucket(self, bucket, group):
         world = dist.get_world_size(group)
