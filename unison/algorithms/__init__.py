@@ -24,6 +24,7 @@ _BUILTIN: dict[str, str] = {
     "nonblocking": "nonblocking:NonBlocking",
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
+    "async": "async_average:AsyncModelAverage",
     "diloco": "diloco:DiLoCo",
 }
 _REGISTERED: dict[str, type[Algorithm]] = {}
