@@ -25,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
     "async": "async_average:AsyncModelAverage",
+    "daso": "daso:DASO",
     "diloco": "diloco:DiLoCo",
 }
 _REGISTERED: dict[str, type[Algorithm]] = {}
