@@ -24,6 +24,8 @@ _BUILTIN: dict[str, str] = {
     "nonblocking": "nonblocking:NonBlocking",
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
+    "decentralized": "decentralized:Decentralized",
+    "low_precision_decentralized": "lowprec_decentralized:LowPrecisionDecentralized",
     "async": "async_average:AsyncModelAverage",
     "daso": "daso:DASO",
     "diloco": "diloco:DiLoCo",

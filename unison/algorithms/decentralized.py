@@ -1,0 +1,306 @@
+"""Decentralized training: replicas average their weights with peers, not their gradients.
+
+Each rank trains on its own gradients (no gradient engine runs) and, every
+``communication_interval`` optimizer steps, mixes its weights with those of
+some peers, right after the optimizer step. ``peer_selection`` picks them:
+
+``"all"``
+    Every rank averages with every other: one allreduce of the weights
+    (``unison.averaging``). After such a round the replicas are identical.
+
+``"shift_one"``
+    Each rank averages with exactly one peer, ``x_i <- (x_i + x_p) / 2``, and
+    the pairs change every round following a round-robin tournament (the
+    circle method): over ``world - 1`` consecutive rounds every rank is paired
+    once with every other. It needs an even world size; an odd one (other than
+    a single process, which has nothing to exchange) is refused when the
+    algorithm is set up.
+
+``"ring"``
+    Each rank averages with its two ring neighbours,
+    ``x_i <- (x_{i-1} + x_i + x_{i+1}) / 3``. Each distinct member of the
+    neighbourhood counts once: with 2 ranks the two neighbours are the same
+    rank, so the round is the plain average ``(x_0 + x_1) / 2`` (one weight
+    sent each way, not two).
+
+The pairwise and ring rounds exchange weights point to point
+(``batch_isend_irecv``) on a private process group; the trainable parameters
+are packed into one reusable flat buffer per dtype and device. Only trainable
+parameters are mixed, as Bagua does: frozen ones never change and buffers
+(BatchNorm running statistics) stay local, each describing its own replica's
+activations. ``model.average()`` (and ``switch_to``) then averages the
+parameters and gives every rank rank 0's buffers.
+
+A step ends when every optimizer registered with the model has stepped since
+the last one; every rank must take the same number of steps (an optimizer step
+skipped on one rank only, e.g. by a grad scaler that saw an inf in a local
+gradient, would leave the ranks' rounds out of step). The step counter is
+saved in the state dict. Every round is blocking, so nothing is ever left in
+flight between steps.
+
+``model.average()`` (at the end of training, and before ``switch_to``) also
+averages the optimizers' floating-point states (momenta, Adam moments), which
+local gradients have made different on every rank: afterwards the replicas are
+identical in everything that decides their next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..averaging import average_
+from ..buckets import split
+from .base import Algorithm, require_optimizers
+
+PEER_SELECTIONS = ("all", "shift_one", "ring")
+
+
+def check_positive_int(options: dict, name: str) -> None:
+    """Raise ValueError unless ``options[name]`` is a positive int (bools refused)."""
+    value = options[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def round_robin_partner(rank: int, world: int, round_index: int) -> int:
+    """``rank``'s partner in round ``round_index`` of a round-robin tournament on ``world`` (even) ranks.
+
+    The circle method: rank ``world - 1`` stays put and meets rank ``r`` in
+    round ``r``; two other ranks ``i`` and ``j`` meet when
+    ``i + j = 2 r (mod world - 1)``. Rounds repeat every ``world - 1``; over
+    one such cycle every pair of ranks meets exactly once.
+    """
+    if world % 2:
+        raise ValueError(f"a round-robin pairing needs an even number of ranks, got {world}")
+    last = world - 1
+    r = round_index % last
+    if rank == last:
+        return r
+    if rank == r:
+        return last
+    return (2 * r - rank) % last
+
+
+def ring_neighbours(rank: int, world: int) -> list[int]:
+    """The distinct ranks next to ``rank`` on a ring: left then right; one with 2 ranks, none alone."""
+    if world == 1:
+        return []
+    left, right = (rank - 1) % world, (rank + 1) % world
+    return [left] if left == right else [left, right]
+
+
+class FlatParams:
+    """The trainable parameters of one dtype and device, copied to and from one reusable flat buffer."""
+
+    def __init__(self, names: list[str], params: list[torch.nn.Parameter]):
+        self.names = names
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.flat = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self._views = split(self.flat, params)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def gather(self) -> torch.Tensor:
+        """The parameters' current values, copied into the flat buffer (which is returned)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._views, [p.detach() for p in self.params])
+        return self.flat
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` (laid out like the buffer) into the parameters."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in self.params], split(flat, self.params))
+
+    def like(self) -> torch.Tensor:
+        """A new flat tensor shaped and typed like the buffer."""
+        return torch.empty_like(self.flat)
+
+    def by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` cut per parameter, cloned, keyed by parameter name (for a state dict)."""
+        return {name: view.clone() for name, view in zip(self.names, split(flat, self.params))}
+
+    def from_names(self, flat: torch.Tensor, values: dict[str, torch.Tensor], what: str) -> None:
+        """Fill ``flat`` from a ``by_name`` dict, refusing missing names or other shapes."""
+        for name, view in zip(self.names, split(flat, self.params)):
+            if name not in values:
+                raise ValueError(f"the saved {what} has no entry for parameter {name!r}")
+            value = values[name]
+            if tuple(value.shape) != tuple(view.shape):
+                raise ValueError(f"the saved {what} of parameter {name!r} has shape {list(value.shape)}, the model's is {list(view.shape)}")
+            view.copy_(value)
+
+
+def flat_params(module: torch.nn.Module) -> list[FlatParams]:
+    """The module's trainable parameters grouped by dtype and device, in registration order."""
+    groups: dict[tuple, tuple[list[str], list[torch.nn.Parameter]]] = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            names, params = groups.setdefault((p.dtype, p.device), ([], []))
+            names.append(name)
+            params.append(p)
+    return [FlatParams(names, params) for names, params in groups.values()]
+
+
+def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group) -> None:
+    """Send and receive (tensor, group rank, tag) triples point to point, and wait for all of them.
+
+    A receive matches the send from its peer with the same tag (the index of
+    the flat buffer), so several buffers can travel between two ranks at once.
+    """
+    ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def average_optimizer_states(optimizers, group) -> int:
+    """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
+
+    Training on local gradients leaves them different on every rank, so
+    after the weights are averaged the replicas would drift apart again under
+    gradient averaging. Only entries every rank holds, with the same shape and
+    dtype, are averaged (a parameter that never had a gradient on some rank
+    has no state there); scalar entries (step counts) are left alone. A
+    collective: every rank calls it.
+    """
+    entries = []
+    for i, opt in enumerate(optimizers):
+        for j, param_group in enumerate(opt.param_groups):
+            for k, p in enumerate(param_group["params"]):
+                for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                    if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                        entries.append(((i, j, k, str(key), tuple(value.shape), str(value.dtype)), value))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [sig for sig, _ in entries], group=group)
+    common = set(gathered[0]).intersection(*gathered[1:])
+    tensors = [value for sig, value in entries if sig in common]
+    return average_(tensors, group) if tensors else 0
+
+
+class StepCounter:
+    """Counts training steps: one ends when every registered optimizer has stepped since the last."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._stepped: set[int] = set()
+
+    def step_ended(self, model, optimizer) -> bool:
+        """Record ``optimizer``'s step; True when it completes a training step."""
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) < len(model.optimizers):
+            return False
+        self._stepped.clear()
+        self.steps += 1
+        return True
+
+
+class Decentralized(Algorithm):
+    """Weight mixing with peers (all, one rotating partner, or ring neighbours) every few steps.
+
+    Options:
+        peer_selection: "all", "shift_one" or "ring" (see the module's doc).
+        communication_interval: optimizer steps between two rounds (1: every step).
+    """
+
+    name = "decentralized"
+    defaults = {"peer_selection": "all", "communication_interval": 1}
+    reduces_gradients = False
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.counter = StepCounter()
+        self.bytes_sent = 0
+        self.group = None
+        self._flats: list[FlatParams] = []
+        self._recv: list[list[torch.Tensor]] = []
+
+    def validate(self) -> None:
+        """peer_selection is one of PEER_SELECTIONS; communication_interval a positive int."""
+        peers = self.options["peer_selection"]
+        if peers not in PEER_SELECTIONS:
+            raise ValueError(f"peer_selection must be one of {', '.join(map(repr, PEER_SELECTIONS))}, got {peers!r}")
+        check_positive_int(self.options, "communication_interval")
+
+    def setup(self, model) -> None:
+        """Check the optimizers and the world size; open the private group and the flat buffers."""
+        require_optimizers(model, self.name)
+        if self.options["peer_selection"] == "shift_one" and model.world_size > 1 and model.world_size % 2:
+            raise ValueError(
+                f"decentralized with peer_selection='shift_one' pairs the ranks, so it needs an even world size, "
+                f"got {model.world_size}; use peer_selection='ring' or 'all'"
+            )
+        self._rank, self._world = model.rank, model.world_size
+        if model.process_group is None or model.world_size == 1:
+            return
+        self.group = comm.private_group(model.process_group, f"{model.serial}/decentralized")
+        if self.options["peer_selection"] != "all":
+            self._flats = flat_params(model.module)
+            peers = len(self._peers(0))
+            self._recv = [[f.like() for _ in range(peers)] for f in self._flats]
+
+    def average(self, model) -> None:
+        """Average the optimizers' states (no round is ever in flight); DataParallel then averages the weights."""
+        if self.group is not None:
+            self.bytes_sent += average_optimizer_states(model.optimizers, self.group)
+
+    def teardown(self, model) -> None:
+        """Drop the flat buffers (the private group stays cached for a switch back)."""
+        self._flats, self._recv = [], []
+        super().teardown(model)
+
+    @property
+    def steps(self) -> int:
+        """Training steps taken under this algorithm."""
+        return self.counter.steps
+
+    def after_step(self, model, optimizer) -> None:
+        """At the end of every ``communication_interval``-th step, run one mixing round."""
+        if not self.counter.step_ended(model, optimizer) or self.group is None:
+            return
+        interval = self.options["communication_interval"]
+        if self.steps % interval == 0:
+            self._round(model, self.steps // interval - 1)
+
+    def _peers(self, round_index: int) -> list[int]:
+        """The group ranks this rank mixes with in round ``round_index`` (p2p modes)."""
+        if self.options["peer_selection"] == "shift_one":
+            return [round_robin_partner(self._rank, self._world, round_index)]
+        return ring_neighbours(self._rank, self._world)
+
+    def _round(self, model, round_index: int) -> None:
+        """One mixing round: an allreduce for "all", otherwise a point-to-point exchange."""
+        if self.options["peer_selection"] == "all":
+            params = [p for p in model.module.parameters() if p.requires_grad]
+            self.bytes_sent += average_(params, self.group)
+            return
+        peers = self._peers(round_index)
+        sends, recvs = [], []
+        for tag, (f, bufs) in enumerate(zip(self._flats, self._recv)):
+            mine = f.gather()
+            sends += [(mine, peer, tag) for peer in peers]
+            recvs += [(buf, peer, tag) for buf, peer in zip(bufs, peers)]
+            self.bytes_sent += f.nbytes * len(peers)
+        exchange(sends, recvs, self.group)
+        for f, bufs in zip(self._flats, self._recv):
+            for buf in bufs:
+                f.flat.add_(buf)
+            f.flat.div_(len(peers) + 1)
+            f.scatter(f.flat)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter (it sets the round's pairing and when the next round comes)."""
+        return {"steps": self.counter.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - {"steps"})
+        if unknown:
+            raise ValueError(f"decentralized state has unknown entries {unknown}; expected 'steps'")
+        self.counter.steps = int(state["steps"])
