@@ -178,11 +178,14 @@ def private_group(group: Optional[dist.ProcessGroup], tag: Optional[str] = None)
     key = (group, tag)
     if tag is not None and key in _private_groups:
         return _private_groups[key]
+    from .runtime import collective_timeout
+
+    timeout = collective_timeout()
     if group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
-        new = dist.new_group()
+        new = dist.new_group(timeout=timeout)
     else:
         ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
-        new = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        new = dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
     if tag is not None:
         _private_groups[key] = new
     return new

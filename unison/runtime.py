@@ -161,6 +161,12 @@ class Topology:
 
 
 _topology: Optional[Topology] = None
+_timeout: Optional[datetime.timedelta] = None
+
+
+def collective_timeout() -> Optional[datetime.timedelta]:
+    """The timeout given to ``init()`` (None: torch's default), for groups unison creates later."""
+    return _timeout
 
 
 def _apply_simulated_nodes(rank: int, world: int, local_rank: int, local_world: int, nodes: Optional[int]):
@@ -201,13 +207,14 @@ def init(
     Idempotent: a second call returns the same Topology. If torch.distributed
     was already initialized by the user, that group is used as it is.
     """
-    global _topology
+    global _topology, _timeout
     if _topology is not None:
         return _topology
     if nodes is None and os.environ.get("UNISON_NODES"):
         nodes = int(os.environ["UNISON_NODES"])
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
+    _timeout = timeout
 
     info = detect_launch()
     if dist.is_available() and dist.is_initialized():

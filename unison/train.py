@@ -188,6 +188,7 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
             epoch_loss = global_mean(total, seen)
             model.end_epoch(epoch_loss)
             samples += seen * topo.world_size
+    model.average()  # every rank ends with the same model (model-averaging algorithms drift between syncs)
     train_time = time.perf_counter() - start
 
     test_accuracy = accuracy(model, data.test_x, data.test_y)

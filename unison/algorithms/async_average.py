@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..runtime import collective_timeout
 from ..averaging import AsyncAverage
 from .base import Algorithm, check_int, require_optimizers
 
@@ -330,12 +331,9 @@ class _Averager:
 
 
 def _group_timeout(group) -> datetime.timedelta:
-    """The timeout ``group`` was created with (how long a flag exchange may wait for the other ranks)."""
-    try:
-        backend = group._get_backend(torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
-        return backend.options._timeout
-    except Exception:
-        return DEFAULT_TIMEOUT
+    """How long a flag exchange may wait for the other ranks: the timeout given to
+    ``unison.init()`` (which the private groups are created with), else torch's default."""
+    return collective_timeout() or DEFAULT_TIMEOUT
 
 
 _live: "weakref.WeakSet[_Averager]" = weakref.WeakSet()
