@@ -71,3 +71,27 @@ def average_(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]
         for t, value in zip(tensors, pending.wait()):
             t.copy_(value)
     return pending.wire_bytes
+
+
+def average_optimizer_states(optimizers, group) -> int:
+    """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
+
+    Training on local gradients leaves them different on every rank, so
+    after the weights are averaged the replicas would drift apart again under
+    gradient averaging. Only entries every rank holds, with the same shape and
+    dtype, are averaged (a parameter that never had a gradient on some rank
+    has no state there); scalar entries (step counts) are left alone. A
+    collective: every rank calls it.
+    """
+    entries = []
+    for i, opt in enumerate(optimizers):
+        for j, param_group in enumerate(opt.param_groups):
+            for k, p in enumerate(param_group["params"]):
+                for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                    if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                        entries.append(((i, j, k, str(key), tuple(value.shape), str(value.dtype)), value))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [sig for sig, _ in entries], group=group)
+    common = set(gathered[0]).intersection(*gathered[1:])
+    tensors = [value for sig, value in entries if sig in common]
+    return average_(tensors, group) if tensors else 0

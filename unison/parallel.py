@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
 from .buckets import MB
+from .averaging import average_optimizer_states
 from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast, default_reduce
 from .reducer import GradReducer
 
@@ -246,6 +247,8 @@ class DataParallel(nn.Module):
             buffers = list(self.module.buffers())
             if buffers and self.broadcast_buffers:
                 self._broadcast_function(buffers, self.process_group)
+        if self.algorithm.replicas_drift:
+            self._retired_bytes += average_optimizer_states(self.optimizers, self.process_group)
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""

@@ -86,6 +86,7 @@ class AsyncModelAverage(Algorithm):
     """Parameters averaged by a background thread every ``sync_interval_ms`` while training goes on locally."""
 
     name = "async"
+    replicas_drift = True
     defaults = {"sync_interval_ms": 50.0, "warmup_steps": 50}
 
     def validate(self) -> None:

@@ -42,6 +42,9 @@ class Algorithm:
     defaults: ClassVar[dict[str, Any]] = {}
     #: Whether DataParallel runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
+    #: Whether replicas train on local gradients between syncs (model averaging):
+    #: then ``DataParallel.average()`` also averages the optimizers' states.
+    replicas_drift: ClassVar[bool] = False
     #: Whether the end of backward leaves reductions in flight, for the
     #: algorithm to complete later with ``model._reducer.complete(buckets)``.
     defers_completion: ClassVar[bool] = False
@@ -143,6 +146,24 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"algorithm {self.name!r} keeps no state but was given {sorted(state)}")
+
+
+class StepCounter:
+    """Counts training steps: one ends when every optimizer given to DataParallel
+    has stepped since the last (``after_step`` fires once per optimizer)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.pending: set[int] = set()
+
+    def step_ended(self, model, optimizer) -> bool:
+        """Record ``optimizer``'s step; True when it completes a training step."""
+        self.pending.add(id(optimizer))
+        if len(self.pending) < len(model.optimizers):
+            return False
+        self.pending.clear()
+        self.steps += 1
+        return True
 
 
 def require_optimizers(model, name: str) -> None:

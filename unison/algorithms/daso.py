@@ -98,7 +98,7 @@ import torch.distributed as dist
 
 from .. import comm, runtime
 from ..averaging import AsyncAverage
-from .base import Algorithm, check_int, require_optimizers
+from .base import Algorithm, StepCounter, check_int, require_optimizers
 
 _WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -143,6 +143,7 @@ class DASO(Algorithm):
     """
 
     name = "daso"
+    replicas_drift = True
     defaults = {
         "total_epochs": None,
         "warmup_epochs": 4,
@@ -202,7 +203,7 @@ class DASO(Algorithm):
         self._model = None
         self._inflight = None
         self._anchor: Optional[list[torch.Tensor]] = None
-        self._stepped: set[int] = set()
+        self._counter = StepCounter()
         self._since_update = 0
         self.global_skip = self.local_skip = self.batches_to_wait = 0
         self._enter_epoch()
@@ -250,8 +251,7 @@ class DASO(Algorithm):
 
     def after_step(self, model, optimizer) -> None:
         """The batch ends once every registered optimizer has stepped."""
-        self._stepped.add(id(optimizer))
-        if all(id(o) in self._stepped for o in model.optimizers):
+        if self._counter.step_ended(model, optimizer):
             self._end_batch()
 
     def add_scaler(self, scaler) -> None:
@@ -273,13 +273,13 @@ class DASO(Algorithm):
 
     def _scaler_updated(self) -> None:
         """After ``scaler.update()``: end the batch if its optimizer step was skipped."""
-        if self._model is not None and (self._stepped or self._since_update == 0):
+        if self._model is not None and (self._counter.pending or self._since_update == 0):
             self._end_batch()
         self._since_update = 0
 
     def _end_batch(self) -> None:
         """One batch ended on this rank: start, merge or block on a global sync as scheduled."""
-        self._stepped.clear()
+        self._counter.pending.clear()
         self._since_update += 1
         b = self.batch
         if self._inter is not None:
@@ -469,7 +469,7 @@ class DASO(Algorithm):
             raise ValueError(f"daso state is missing {missing}")
         self._drop_inflight()
         self._anchor = None
-        self._stepped.clear()
+        self._counter.pending.clear()
         for key in _STATE_KEYS:
             setattr(self, key, float(state[key]) if key == "plateau_best" else int(state[key]))
 

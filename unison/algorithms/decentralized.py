@@ -54,7 +54,7 @@ import torch.distributed as dist
 from .. import comm
 from ..averaging import average_
 from ..buckets import split
-from .base import Algorithm, require_optimizers
+from .base import Algorithm, StepCounter, require_optimizers
 
 PEER_SELECTIONS = ("all", "shift_one", "ring")
 
@@ -161,47 +161,6 @@ def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch
             work.wait()
 
 
-def average_optimizer_states(optimizers, group) -> int:
-    """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
-
-    Training on local gradients leaves them different on every rank, so
-    after the weights are averaged the replicas would drift apart again under
-    gradient averaging. Only entries every rank holds, with the same shape and
-    dtype, are averaged (a parameter that never had a gradient on some rank
-    has no state there); scalar entries (step counts) are left alone. A
-    collective: every rank calls it.
-    """
-    entries = []
-    for i, opt in enumerate(optimizers):
-        for j, param_group in enumerate(opt.param_groups):
-            for k, p in enumerate(param_group["params"]):
-                for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-                    if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                        entries.append(((i, j, k, str(key), tuple(value.shape), str(value.dtype)), value))
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, [sig for sig, _ in entries], group=group)
-    common = set(gathered[0]).intersection(*gathered[1:])
-    tensors = [value for sig, value in entries if sig in common]
-    return average_(tensors, group) if tensors else 0
-
-
-class StepCounter:
-    """Counts training steps: one ends when every registered optimizer has stepped since the last."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self._stepped: set[int] = set()
-
-    def step_ended(self, model, optimizer) -> bool:
-        """Record ``optimizer``'s step; True when it completes a training step."""
-        self._stepped.add(id(optimizer))
-        if len(self._stepped) < len(model.optimizers):
-            return False
-        self._stepped.clear()
-        self.steps += 1
-        return True
-
-
 class Decentralized(Algorithm):
     """Weight mixing with peers (all, one rotating partner, or ring neighbours) every few steps.
 
@@ -211,6 +170,7 @@ class Decentralized(Algorithm):
     """
 
     name = "decentralized"
+    replicas_drift = True
     defaults = {"peer_selection": "all", "communication_interval": 1}
     reduces_gradients = False
 
@@ -245,11 +205,6 @@ class Decentralized(Algorithm):
             self._flats = flat_params(model.module)
             peers = len(self._peers(0))
             self._recv = [[f.like() for _ in range(peers)] for f in self._flats]
-
-    def average(self, model) -> None:
-        """Average the optimizers' states (no round is ever in flight); DataParallel then averages the weights."""
-        if self.group is not None:
-            self.bytes_sent += average_optimizer_states(model.optimizers, self.group)
 
     def teardown(self, model) -> None:
         """Drop the flat buffers (the private group stays cached for a switch back)."""

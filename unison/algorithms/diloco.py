@@ -58,7 +58,7 @@ from torch import nn
 
 from .. import comm
 from ..averaging import AsyncAverage
-from .base import Algorithm, check_int, require_optimizers
+from .base import Algorithm, StepCounter, check_int, require_optimizers
 
 #: Wire dtypes of the pseudo-gradient average, by option value.
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,6 +68,7 @@ class DiLoCo(Algorithm):
     """Local training with an outer Nesterov step on the averaged pseudo-gradient every ``inner_steps`` steps."""
 
     name = "diloco"
+    replicas_drift = True
     reduces_gradients = False
     defaults = {
         "inner_steps": 16,
@@ -88,7 +89,7 @@ class DiLoCo(Algorithm):
         self.snapshot: list[nn.Parameter] = []
         self.outer: Optional[torch.optim.SGD] = None
         self.group = None
-        self._stepped: set[int] = set()
+        self._counter = StepCounter()
         self._pending: Optional[tuple[AsyncAverage, list[torch.Tensor]]] = None
 
     def validate(self) -> None:
@@ -124,10 +125,8 @@ class DiLoCo(Algorithm):
 
     def after_step(self, model, optimizer) -> None:
         """Count an inner step once every registered optimizer has stepped; run the outer step at the boundary."""
-        self._stepped.add(id(optimizer))
-        if len(self._stepped) < len(model.optimizers):
+        if not self._counter.step_ended(model, optimizer):
             return
-        self._stepped.clear()
         self._finish()
         self.steps += 1
         if self.steps % self.options["inner_steps"] == 0:
@@ -205,7 +204,7 @@ class DiLoCo(Algorithm):
             raise ValueError(f"diloco state has no snapshot of parameter {missing[0]!r}")
         self._finish()
         self.steps = int(state["steps"])
-        self._stepped.clear()
+        self._counter.pending.clear()
         with torch.no_grad():
             for n, s in zip(self.names, self.snapshot):
                 s.copy_(state["snapshot"][n])

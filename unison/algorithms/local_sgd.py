@@ -23,6 +23,7 @@ class LocalSGD(Algorithm):
     """Periodic weight averaging after a synchronous warm-up."""
 
     name = "local_sgd"
+    replicas_drift = True
     defaults = {"period": 16, "warmup_steps": 0, "hierarchical": False, "local_period": 2}
 
     def validate(self) -> None:

@@ -48,8 +48,8 @@ import torch
 
 from .. import comm
 from ..compress import decode_rows, encode_rows_, minmax_params
-from .base import Algorithm, require_optimizers
-from .decentralized import FlatParams, StepCounter, average_optimizer_states, check_positive_int, exchange, flat_params, ring_neighbours
+from .base import Algorithm, StepCounter, require_optimizers
+from .decentralized import FlatParams, check_positive_int, exchange, flat_params, ring_neighbours
 
 #: Elements per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -124,6 +124,7 @@ class LowPrecisionDecentralized(Algorithm):
     """
 
     name = "low_precision_decentralized"
+    replicas_drift = True
     defaults = {"communication_interval": 1}
     reduces_gradients = False
 
@@ -152,11 +153,6 @@ class LowPrecisionDecentralized(Algorithm):
         self._copies = [_Copies(f, self.neighbours) for f in flat_params(model.module)]
         if "public" in self._loaded:
             self._restore(self._loaded)
-
-    def average(self, model) -> None:
-        """Average the optimizers' states (no round is ever in flight); DataParallel then averages the weights."""
-        if self.group is not None:
-            self.bytes_sent += average_optimizer_states(model.optimizers, self.group)
 
     def teardown(self, model) -> None:
         """Drop the copies and buffers (the private group stays cached for a switch back)."""
