@@ -9,7 +9,10 @@ Run it over a slow link to see what compression buys:
 
 Contenders are "ddp", "ddp:fp16_hook" and unison algorithms as NAME or
 NAME:opt=value,opt=value (e.g. "powersgd:rank=4"). Every contender first takes
-``--settle`` untimed steps (past PowerSGD's start_iter and QAdam's warm-up).
+``--settle`` untimed steps (past PowerSGD's start_iter, QAdam's, async's and
+DASO's warm-ups); ``model.end_epoch(loss)`` is called every ``--epoch-steps``
+steps. Time a multiple of the averaging periods (local SGD and DiLoCo sync
+every 16 steps by default). Bytes are counted over the timed steps.
 Prints a table; writes benchmarks/results/algorithms.json (or --json PATH).
 """
 
@@ -62,15 +65,17 @@ def build(spec: str, module: torch.nn.Module):
     return unison.DataParallel(module, optimizer=optimizer, algorithm=algorithm), optimizer
 
 
-def wire_bytes(spec: str, model, params: int, world: int) -> float:
-    """Bytes one rank sends per step: unison counts its own; DDP's ring is computed."""
-    if spec.startswith("ddp"):
-        itemsize = 2 if spec == "ddp:fp16_hook" else 4
-        return 2 * (world - 1) * params * itemsize / world
-    return model.comm_stats["bytes_last_step"]
+def ddp_wire_bytes(spec: str, params: int, world: int) -> float:
+    """Bytes one rank sends per DDP step: a ring allreduce of every gradient."""
+    itemsize = 2 if spec == "ddp:fp16_hook" else 4
+    return 2 * (world - 1) * params * itemsize / world
 
 
-def worker(workload: str, contenders: list[str], batch: int, rounds: int, steps_per_round: int, settle: int) -> dict:
+def bytes_so_far(model) -> int:
+    return model.comm_stats["bytes_total"] if isinstance(model, unison.DataParallel) else 0
+
+
+def worker(workload: str, contenders: list[str], batch: int, rounds: int, steps_per_round: int, settle: int, epoch_steps: int) -> dict:
     unison.init()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,24 +87,37 @@ def worker(workload: str, contenders: list[str], batch: int, rounds: int, steps_
     x, y = data(g, batch), torch.randint(0, 10, (batch,), generator=g)
     models = {c: build(c, copy.deepcopy(base)) for c in contenders}
 
+    taken = {c: 0 for c in contenders}
+
     def train(spec, steps):
         model, opt = models[spec]
         for _ in range(steps):
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             opt.step()
+            taken[spec] += 1
+            if isinstance(model, unison.DataParallel) and taken[spec] % epoch_steps == 0:
+                model.end_epoch(loss.item())  # DASO's schedule advances by epochs
 
     for spec in contenders:
         train(spec, settle)
     times = {c: [] for c in contenders}
+    sent = {c: 0 for c in contenders}
     for r in range(rounds):
         order = contenders if r % 2 == 0 else contenders[::-1]
         for spec in order:
             dist.barrier()
+            before = bytes_so_far(models[spec][0])
             start = time.perf_counter()
             train(spec, steps_per_round)
             times[spec].append((time.perf_counter() - start) / steps_per_round)
-    result = {c: {"ms": statistics.median(times[c]) * 1000, "bytes": wire_bytes(c, models[c][0], params, world)} for c in contenders}
+            sent[spec] += bytes_so_far(models[spec][0]) - before
+    timed = rounds * steps_per_round
+    result = {
+        c: {"ms": statistics.median(times[c]) * 1000, "bytes": ddp_wire_bytes(c, params, world) if c.startswith("ddp") else sent[c] / timed}
+        for c in contenders
+    }
     for model, _ in models.values():
         if isinstance(model, unison.DataParallel):
             model.switch_to("allreduce")  # stop background threads before shutdown
@@ -115,10 +133,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--settle", type=int, default=12)
+    parser.add_argument("--epoch-steps", type=int, default=8, help="call model.end_epoch() every this many steps")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "algorithms.json"))
     args = parser.parse_args(argv)
     contenders = args.contenders.split(",")
-    out = launch(worker, 2, args.workload, contenders, args.batch, args.rounds, args.steps_per_round, args.settle)[0]
+    out = launch(worker, 2, args.workload, contenders, args.batch, args.rounds, args.steps_per_round, args.settle, args.epoch_steps)[0]
     results = out["results"]
     base = results.get("ddp")
     print(f"{args.workload}, {out['params']} parameters, 2 ranks")

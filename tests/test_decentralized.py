@@ -37,6 +37,7 @@ def make(algorithm, net=None, momentum=0.0, **options):
     torch.manual_seed(0)
     net = net or MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=momentum)
+    options.setdefault("communication_interval", 1)  # these tests look at single rounds
     model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create(algorithm, **options))
     return net, opt, model
 
@@ -273,7 +274,8 @@ def two_ranks():
     base = MLP()
     nets = [MLP(), MLP()]
     models, opts = [], []
-    for n, algo in zip(nets, ("allreduce", "decentralized")):
+    every_step = unison.algorithms.create("decentralized", communication_interval=1)
+    for n, algo in zip(nets, ("allreduce", every_step)):
         n.load_state_dict(base.state_dict())
         o = torch.optim.SGD(n.parameters(), lr=0.05)
         models.append(unison.DataParallel(n, optimizer=o, algorithm=algo))

@@ -171,7 +171,7 @@ class Decentralized(Algorithm):
 
     name = "decentralized"
     replicas_drift = True
-    defaults = {"peer_selection": "all", "communication_interval": 1}
+    defaults = {"peer_selection": "all", "communication_interval": 16}
     reduces_gradients = False
 
     def __init__(self, **options: Any) -> None:

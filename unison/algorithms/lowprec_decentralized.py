@@ -125,7 +125,7 @@ class LowPrecisionDecentralized(Algorithm):
 
     name = "low_precision_decentralized"
     replicas_drift = True
-    defaults = {"communication_interval": 1}
+    defaults = {"communication_interval": 16}
     reduces_gradients = False
 
     def __init__(self, **options: Any) -> None:
