@@ -100,8 +100,15 @@ def worker(workload: str, contenders: list[str], batch: int, rounds: int, steps_
             if isinstance(model, unison.DataParallel) and taken[spec] % epoch_steps == 0:
                 model.end_epoch(loss.item())  # DASO's schedule advances by epochs
 
+    def pause(spec):
+        """Stop background averaging (async) so it does not load the link while others are timed."""
+        model = models[spec][0]
+        if isinstance(model, unison.DataParallel):
+            model.average()
+
     for spec in contenders:
         train(spec, settle)
+        pause(spec)
     times = {c: [] for c in contenders}
     sent = {c: 0 for c in contenders}
     for r in range(rounds):
@@ -113,6 +120,7 @@ def worker(workload: str, contenders: list[str], batch: int, rounds: int, steps_
             train(spec, steps_per_round)
             times[spec].append((time.perf_counter() - start) / steps_per_round)
             sent[spec] += bytes_so_far(models[spec][0]) - before
+            pause(spec)
     timed = rounds * steps_per_round
     result = {
         c: {"ms": statistics.median(times[c]) * 1000, "bytes": ddp_wire_bytes(c, params, world) if c.startswith("ddp") else sent[c] / timed}
