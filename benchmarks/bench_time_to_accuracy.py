@@ -30,7 +30,7 @@ from common import launch
 from unison.train import load_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT = "ddp,allreduce,fp16,powersgd,local_sgd,decentralized,async,diloco,daso"
+DEFAULT = "ddp,allreduce,fp16,bytegrad,powersgd,local_sgd,decentralized,low_precision_decentralized,async,diloco,daso"
 
 
 def wide_mlp(seed: int) -> nn.Module:
@@ -54,7 +54,7 @@ def accuracy(model, x, y) -> float:
 
 def race(name: str, target: float, batch: int, lr: float, eval_every: int, max_seconds: float) -> dict:
     """Train one contender until rank 0 sees ``target`` test accuracy; time training only."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     data = load_data(seed=0, test_fraction=0.2)
     net = wide_mlp(0)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
@@ -67,7 +67,8 @@ def race(name: str, target: float, batch: int, lr: float, eval_every: int, max_s
             dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
             clock += time.perf_counter() - start
             steps += 1
@@ -79,6 +80,8 @@ def race(name: str, target: float, batch: int, lr: float, eval_every: int, max_s
                 if reached or clock >= max_seconds:
                     break
         epoch += 1
+        if isinstance(model, unison.DataParallel):
+            model.end_epoch(loss.item())  # DASO's schedule advances by epochs
     sent = model.comm_stats["bytes_per_step"] if isinstance(model, unison.DataParallel) else 2 * (world - 1) * 4 * sum(p.numel() for p in net.parameters()) / world
     if isinstance(model, unison.DataParallel):
         model.switch_to("allreduce")  # stop background threads
