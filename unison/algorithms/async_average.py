@@ -87,7 +87,7 @@ class AsyncModelAverage(Algorithm):
 
     name = "async"
     replicas_drift = True
-    defaults = {"sync_interval_ms": 50.0, "warmup_steps": 50}
+    defaults = {"sync_interval_ms": 50.0, "warmup_steps": 0}
 
     def validate(self) -> None:
         """sync_interval_ms: a positive number; warmup_steps: an integer >= 0."""
