@@ -132,3 +132,21 @@ def test_parameter_used_outside_its_module_is_refused(results):
 def test_needs_an_optimizer():
     with pytest.raises(ValueError, match="needs the optimizer"):
         unison.DataParallel(torch.nn.Linear(2, 2), algorithm="nonblocking")
+
+
+def steps_counted():
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = unison.DataParallel(net, optimizer=opt, algorithm="nonblocking")
+    for s in range(4):
+        x, y = batch(s, dist.get_rank())
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    model.flush()
+    return model.comm_stats["steps"]
+
+
+def test_comm_stats_counts_user_steps_not_layer_updates():
+    assert launch.run(steps_counted, 2, timeout=60) == [4, 4]

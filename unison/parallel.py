@@ -279,8 +279,8 @@ class DataParallel(nn.Module):
         self.optimizers.append(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer is self.optimizers[0]:
-            self._optimizer_steps += 1
+        if optimizer is self.optimizers[0] and not self.algorithm.defers_completion:
+            self._optimizer_steps += 1  # deferring algorithms count the user's step() calls themselves
         self.algorithm.after_step(self, optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:

@@ -80,6 +80,8 @@ class NonBlocking(AllReduce):
             if id(opt) in self._pending:  # a second step() before any forward
                 self.flush(self.model)
             self._pending[id(opt)] = _Pending(opt)
+            if opt is self.model.optimizers[0]:
+                self.model._optimizer_steps += 1  # the real step runs layer by layer later
 
         return types.MethodType(step, opt)
 
