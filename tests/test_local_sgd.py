@@ -22,7 +22,7 @@ def spread_in(group, model) -> float:
 
 
 def flat_run():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     base = MLP()
     nets = {name: copy.deepcopy(base) for name in ("allreduce", "local_sgd")}

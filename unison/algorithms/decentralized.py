@@ -54,16 +54,9 @@ import torch.distributed as dist
 from .. import comm
 from ..averaging import average_
 from ..buckets import split
-from .base import Algorithm, StepCounter, require_optimizers
+from .base import Algorithm, StepCounter, check_int, require_optimizers
 
 PEER_SELECTIONS = ("all", "shift_one", "ring")
-
-
-def check_positive_int(options: dict, name: str) -> None:
-    """Raise ValueError unless ``options[name]`` is a positive int (bools refused)."""
-    value = options[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def round_robin_partner(rank: int, world: int, round_index: int) -> int:
@@ -161,7 +154,41 @@ def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch
             work.wait()
 
 
-class Decentralized(Algorithm):
+class PeriodicMixing(Algorithm):
+    """Replicas train on local gradients and mix weights every ``communication_interval`` steps.
+
+    Subclasses set ``defaults`` (with ``communication_interval``) and
+    implement ``_round(model, round_index)``; ``self.group`` is their private
+    group (None alone: nothing to mix).
+    """
+
+    replicas_drift = True
+    reduces_gradients = False
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.counter = StepCounter()
+        self.bytes_sent = 0
+        self.group = None
+
+    @property
+    def steps(self) -> int:
+        """Training steps taken under this algorithm."""
+        return self.counter.steps
+
+    def after_step(self, model, optimizer) -> None:
+        """At the end of every ``communication_interval``-th step, run one mixing round."""
+        if not self.counter.step_ended(model, optimizer) or self.group is None:
+            return
+        interval = self.options["communication_interval"]
+        if self.steps % interval == 0:
+            self._round(model, self.steps // interval - 1)
+
+    def _round(self, model, round_index: int) -> None:
+        raise NotImplementedError
+
+
+class Decentralized(PeriodicMixing):
     """Weight mixing with peers (all, one rotating partner, or ring neighbours) every few steps.
 
     Options:
@@ -170,15 +197,10 @@ class Decentralized(Algorithm):
     """
 
     name = "decentralized"
-    replicas_drift = True
     defaults = {"peer_selection": "all", "communication_interval": 16}
-    reduces_gradients = False
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.counter = StepCounter()
-        self.bytes_sent = 0
-        self.group = None
         self._flats: list[FlatParams] = []
         self._recv: list[list[torch.Tensor]] = []
 
@@ -187,7 +209,7 @@ class Decentralized(Algorithm):
         peers = self.options["peer_selection"]
         if peers not in PEER_SELECTIONS:
             raise ValueError(f"peer_selection must be one of {', '.join(map(repr, PEER_SELECTIONS))}, got {peers!r}")
-        check_positive_int(self.options, "communication_interval")
+        check_int(self.options, "communication_interval")
 
     def setup(self, model) -> None:
         """Check the optimizers and the world size; open the private group and the flat buffers."""
@@ -210,19 +232,6 @@ class Decentralized(Algorithm):
         """Drop the flat buffers (the private group stays cached for a switch back)."""
         self._flats, self._recv = [], []
         super().teardown(model)
-
-    @property
-    def steps(self) -> int:
-        """Training steps taken under this algorithm."""
-        return self.counter.steps
-
-    def after_step(self, model, optimizer) -> None:
-        """At the end of every ``communication_interval``-th step, run one mixing round."""
-        if not self.counter.step_ended(model, optimizer) or self.group is None:
-            return
-        interval = self.options["communication_interval"]
-        if self.steps % interval == 0:
-            self._round(model, self.steps // interval - 1)
 
     def _peers(self, round_index: int) -> list[int]:
         """The group ranks this rank mixes with in round ``round_index`` (p2p modes)."""

@@ -48,8 +48,8 @@ import torch
 
 from .. import comm
 from ..compress import decode_rows, encode_rows_, minmax_params
-from .base import Algorithm, StepCounter, require_optimizers
-from .decentralized import FlatParams, check_positive_int, exchange, flat_params, ring_neighbours
+from .base import check_int, require_optimizers
+from .decentralized import FlatParams, PeriodicMixing, exchange, flat_params, ring_neighbours
 
 #: Elements per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -116,7 +116,7 @@ class _Copies:
         self.mix = flat.like()
 
 
-class LowPrecisionDecentralized(Algorithm):
+class LowPrecisionDecentralized(PeriodicMixing):
     """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
 
     Options:
@@ -124,15 +124,10 @@ class LowPrecisionDecentralized(Algorithm):
     """
 
     name = "low_precision_decentralized"
-    replicas_drift = True
     defaults = {"communication_interval": 16}
-    reduces_gradients = False
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.counter = StepCounter()
-        self.bytes_sent = 0
-        self.group = None
         self.neighbours: list[int] = []
         self._copies: list[_Copies] = []
         self._refresh = False
@@ -140,7 +135,7 @@ class LowPrecisionDecentralized(Algorithm):
 
     def validate(self) -> None:
         """communication_interval is a positive int."""
-        check_positive_int(self.options, "communication_interval")
+        check_int(self.options, "communication_interval")
 
     def setup(self, model) -> None:
         """Open the private group; start the public copy and the replicas from the current weights."""
@@ -159,22 +154,10 @@ class LowPrecisionDecentralized(Algorithm):
         self._copies = []
         super().teardown(model)
 
-    @property
-    def steps(self) -> int:
-        """Training steps taken under this algorithm."""
-        return self.counter.steps
-
-    def after_step(self, model, optimizer) -> None:
-        """At the end of every ``communication_interval``-th step, run one gossip round."""
-        if not self.counter.step_ended(model, optimizer) or self.group is None:
-            return
-        if self.steps % self.options["communication_interval"] == 0:
-            if self._refresh:
-                self._refresh_replicas()
-            self._round()
-
-    def _round(self) -> None:
+    def _round(self, model, round_index: int) -> None:
         """Send, receive and apply the 8-bit differences, then mix (see the module's doc)."""
+        if self._refresh:
+            self._refresh_replicas()
         sends, recvs = [], []
         for tag, c in enumerate(self._copies):
             message = c.message.encode(c.flat.gather(), c.public)
