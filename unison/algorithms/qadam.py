@@ -50,6 +50,7 @@ class QAdam(Algorithm):
         self._seeded: set[str] = set()
         self._compressing = False
         self._exchanges: dict[int, Exchange] = {}
+        self._denominators: dict[int, tuple] = {}
         self.group = None
         self.thread = None
 
@@ -91,8 +92,8 @@ class QAdam(Algorithm):
             bucket.flat.mul_(1 - beta1).add_(momentum, alpha=beta1 / world)
         else:
             bucket.flat.mul_(1 - beta1).addcmul_(momentum, beta1, value=1.0 / world)
-        denom = self._denominator(bucket)
-        bucket.flat.div_(denom).masked_fill_(denom == 0, 0.0)
+        denom, inverse = self._denominator(bucket)
+        bucket.flat.mul_(inverse)  # 0 where the denominator is 0
         self.optimizer.grads_hold_momentum = True
         return self.thread.submit(self._exchange, bucket, momentum, denom, world)
 
@@ -111,12 +112,35 @@ class QAdam(Algorithm):
         momentum.copy_(bucket.flat)
         return bucket.flat
 
-    def _denominator(self, bucket) -> torch.Tensor:
-        """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket.
+    def _denominator(self, bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket, and its inverse.
 
-        It is 0 where the variance is 0: the optimizer never moves those
-        coordinates after the warm-up, so their momentum is sent and kept as 0.
+        It is 0 where the variance is 0 (inverse 0 too): the optimizer never
+        moves those coordinates after the warm-up, so their momentum is sent
+        and kept as 0. The variance is frozen, so both are computed once per
+        bucket and reused while the optimizer holds the same variance tensors
+        and settings (a reloaded optimizer state is noticed and recomputed).
         """
+        key = self._denominator_key(bucket)
+        cached = self._denominators.get(bucket.index)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        denom = self._compute_denominator(bucket)
+        inverse = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
+        self._denominators[bucket.index] = (key, denom, inverse)
+        return denom, inverse
+
+    def _denominator_key(self, bucket) -> tuple:
+        """What the denominator depends on: the variance tensors (by identity), eps, beta2, warm-up length."""
+        settings = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        parts = []
+        for p in bucket.params:
+            variance = self.optimizer.state.get(p, {}).get("exp_avg_sq")
+            group = settings[id(p)]
+            parts.append((id(variance), None if variance is None else variance._version, group["eps"], group["betas"][1]))
+        return (tuple(parts), self.optimizer.warmup_steps)
+
+    def _compute_denominator(self, bucket) -> torch.Tensor:
         settings = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         out = torch.empty_like(bucket.flat)
         for view, p in zip(split(out, bucket.views), bucket.params):
