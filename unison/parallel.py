@@ -203,7 +203,8 @@ class DataParallel(nn.Module):
 
     def _start_buffer_sync(self) -> None:
         if self._broadcast_function is default_broadcast:
-            self._buffer_sync = AsyncBroadcast(list(self.module.buffers()), self.process_group)
+            # Over the gradient group: the node under DASO, the process group otherwise.
+            self._buffer_sync = AsyncBroadcast(list(self.module.buffers()), self._reducer.group)
 
     def _finish_buffer_sync(self) -> None:
         if self._buffer_sync is not None:
@@ -211,7 +212,7 @@ class DataParallel(nn.Module):
             self._buffer_sync = None
         else:
             with torch.no_grad():
-                self._broadcast_function(list(self.module.buffers()), self.process_group)
+                self._broadcast_function(list(self.module.buffers()), self._reducer.group)
 
     # ---- the training step ---------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
