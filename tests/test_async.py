@@ -153,6 +153,26 @@ def failing_average(*args, **kwargs):
     raise ValueError("injected failure")
 
 
+def train_until_error(model, opt, rank, inject: bool):
+    """Train (with the background averaging made to fail if ``inject``) until the
+    training thread raises, or DEADLINE_S passes; return the exception or None."""
+    real = async_average.AsyncAverage
+    if inject:
+        async_average.AsyncAverage = failing_average
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        step = 1
+        while time.monotonic() < deadline:
+            try:
+                train_step(model, opt, step, rank)
+            except RuntimeError as exc:
+                return exc
+            step += 1
+        return None
+    finally:
+        async_average.AsyncAverage = real
+
+
 def errors_surface(rank, world):
     """An exception in the background thread is raised in the training thread."""
     torch.manual_seed(0)
@@ -161,19 +181,7 @@ def errors_surface(rank, world):
     model = async_model(net, opt, sync_interval_ms=10, warmup_steps=0)
     alg = model.algorithm
     train_step(model, opt, 0, rank)
-    real, async_average.AsyncAverage = async_average.AsyncAverage, failing_average
-    caught = None
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        step = 1
-        while caught is None and time.monotonic() < deadline:
-            try:
-                train_step(model, opt, step, rank)
-            except RuntimeError as exc:
-                caught = exc
-            step += 1
-    finally:
-        async_average.AsyncAverage = real
+    caught = train_until_error(model, opt, rank, inject=True)
     result = {
         "message": str(caught),
         "cause": type(caught.__cause__).__name__ if caught is not None else None,
@@ -195,20 +203,8 @@ def one_rank_fails():
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     model = async_model(net, opt, sync_interval_ms=10, warmup_steps=0)
     train_step(model, opt, 0, rank)
-    real = async_average.AsyncAverage
-    if rank == 0:
-        async_average.AsyncAverage = failing_average
-    caught, start = None, time.monotonic()
-    try:
-        step = 1
-        while caught is None and time.monotonic() < start + DEADLINE_S:
-            try:
-                train_step(model, opt, step, rank)
-            except RuntimeError as exc:
-                caught = exc
-            step += 1
-    finally:
-        async_average.AsyncAverage = real
+    start = time.monotonic()
+    caught = train_until_error(model, opt, rank, inject=rank == 0)
     if rank == 0:
         time.sleep(8)  # stay alive (no barrier: the group is broken) while rank 1 runs into its timeout
     return {"message": str(caught), "seconds": time.monotonic() - start}
