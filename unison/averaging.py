@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import MB, split
-from .comm import _chunks, flatten
+from .comm import _chunks, flatten, ring_bytes
 
 #: Default size of one coalesced collective.
 CHUNK_BYTES = 25 * MB
@@ -48,7 +48,7 @@ class AsyncAverage:
                 wire.div_(world)
                 work = dist.all_reduce(wire, group=group, async_op=True)
                 self._parts.append((chunk, wire, work))
-                self.wire_bytes += 2 * (world - 1) * wire.numel() * wire.element_size() // world
+                self.wire_bytes += ring_bytes(wire.numel() * wire.element_size(), world)
         self._order = [id(t) for t in tensors]
 
     def is_completed(self) -> bool:

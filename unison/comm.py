@@ -23,6 +23,11 @@ def src_rank(group: Optional[dist.ProcessGroup], group_rank: int = 0) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of an ``nbytes`` buffer: 2 (n-1)/n of it."""
+    return 2 * (world - 1) * nbytes // world
+
+
 def _chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """Group tensors by dtype and device, then into chunks of at most ``cap_bytes``."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -59,21 +64,14 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 def default_broadcast(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
     """Broadcast ``tensors`` in place from the group's first rank, coalesced."""
-    src = src_rank(group)
-    for chunk in _chunks(tensors, 25 * MB):
-        flat = flatten(chunk)
-        dist.broadcast(flat, src=src, group=group)
-        unflatten_into(flat, chunk)
+    AsyncBroadcast(tensors, group).finish()
 
 
 def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-    """Average ``tensors`` in place across the group, coalesced."""
-    world = group_size(group)
-    for chunk in _chunks(tensors, 25 * MB):
-        flat = flatten(chunk)
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        unflatten_into(flat, chunk)
+    """Average ``tensors`` in place across the group, coalesced (``reduce_function``'s default)."""
+    from .averaging import average_  # averaging builds on this module
+
+    average_(tensors, group)
 
 
 BroadcastFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]

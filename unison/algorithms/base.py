@@ -101,8 +101,8 @@ class Algorithm:
         return dist.all_reduce(bucket.flat, group=group, async_op=True)
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
-        """Bytes this rank sends for one bucket (a ring allreduce sends 2 (n-1)/n of it)."""
-        return 2 * (world_size - 1) * bucket.nbytes // world_size
+        """Bytes this rank sends for one bucket (a ring allreduce)."""
+        return comm.ring_bytes(bucket.nbytes, world_size)
 
     def before_forward(self, model) -> None:
         """Before every forward of the wrapped module."""

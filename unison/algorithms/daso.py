@@ -411,7 +411,7 @@ class DASO(Algorithm):
         t = torch.tensor([0.0 if value is None else value, 0.0 if value is None else 1.0], dtype=torch.float64)
         dist.all_reduce(t, group=model.process_group)
         world = model.world_size
-        self.bytes_sent += 2 * (world - 1) * t.numel() * t.element_size() // world
+        self.bytes_sent += comm.ring_bytes(t.numel() * t.element_size(), world)
         return t[0].item() / t[1].item() if t[1].item() > 0 else None
 
     def _blocking_epoch(self, e: int) -> bool:

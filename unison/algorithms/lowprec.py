@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from ..comm import ring_bytes
 from .base import Algorithm
 
 
@@ -43,7 +44,7 @@ class CastAllReduce(Algorithm):
 
     def bucket_wire_bytes(self, bucket, world_size):
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
-        return 2 * (world_size - 1) * bucket.flat.numel() * itemsize // world_size
+        return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 
 
 class FP16(CastAllReduce):

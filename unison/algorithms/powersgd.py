@@ -103,11 +103,6 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def ring_bytes(numel: int, element_size: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``numel`` elements."""
-    return 2 * (world - 1) * numel * element_size // world
-
-
 class PowerSGD(Algorithm):
     """Rank-r PowerSGD with error feedback and warm start.
 
@@ -162,10 +157,10 @@ class PowerSGD(Algorithm):
 
     def bucket_wire_bytes(self, bucket, world_size):
         if not self.compressing():
-            return ring_bytes(bucket.flat.numel(), bucket.flat.element_size(), world_size)
+            return super().bucket_wire_bytes(bucket, world_size)
         plan = self._plan(bucket)
         size = torch.empty(0, dtype=work_dtype(bucket.dtype)).element_size()
-        return ring_bytes(plan.plain_numel + plan.p_numel + plan.q_numel, size, world_size)
+        return comm.ring_bytes((plan.plain_numel + plan.p_numel + plan.q_numel) * size, world_size)
 
     def after_backward(self, model) -> None:
         self.steps += 1

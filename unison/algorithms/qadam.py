@@ -180,7 +180,7 @@ class QAdam(Algorithm):
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
         if self._compressing:
             return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
-        return 2 * (world_size - 1) * bucket.nbytes // world_size
+        return super().bucket_wire_bytes(bucket, world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.state_dict()} if self._seeded else {}
