@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import MB, split
-from .comm import _chunks, flatten, ring_bytes
+from .comm import _chunks, flatten, ring_bytes, start
 
 #: Default size of one coalesced collective.
 CHUNK_BYTES = 25 * MB
@@ -46,7 +46,7 @@ class AsyncAverage:
                 flat = flatten(chunk)
                 wire = flat.to(wire_dtype) if wire_dtype is not None and flat.is_floating_point() else flat
                 wire.div_(world)
-                work = dist.all_reduce(wire, group=group, async_op=True)
+                work = start(dist.all_reduce, wire, group=group)
                 self._parts.append((chunk, wire, work))
                 self.wire_bytes += ring_bytes(wire.numel() * wire.element_size(), world)
         self._order = [id(t) for t in tensors]

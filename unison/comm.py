@@ -3,6 +3,7 @@ cross-rank agreement checks."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from typing import Any, Callable, Optional, Sequence
 
@@ -10,6 +11,24 @@ import torch
 import torch.distributed as dist
 
 from .buckets import MB
+
+
+# The most recent works stay referenced from Python. A work whose last reference
+# is dropped by gloo's worker thread needs the GIL to die; if that happens while
+# the interpreter is exiting, the process aborts ("terminate called without an
+# active exception"). Holding them here makes the main thread release them.
+_recent_works: collections.deque = collections.deque(maxlen=64)
+
+
+def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Launch ``collective(*args, async_op=True, **kwargs)`` and return its work.
+
+    Every asynchronous collective in unison goes through here so the newest
+    works are released by Python, never by a communication thread at exit.
+    """
+    work = collective(*args, async_op=True, **kwargs)
+    _recent_works.append(work)
+    return work
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -85,7 +104,7 @@ class AsyncBroadcast:
         src = src_rank(group)
         for chunk in _chunks(tensors, 25 * MB):
             flat = flatten(chunk)
-            self._parts.append((chunk, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
+            self._parts.append((chunk, flat, start(dist.broadcast, flat, src=src, group=group)))
 
     def finish(self) -> None:
         for chunk, flat, work in self._parts:

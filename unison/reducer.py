@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import buckets as bucketing
 from . import comm
-from .comm import src_rank
+from .comm import src_rank, start
 
 
 class GradBucket:
@@ -260,7 +260,7 @@ class GradReducer:
         self._flags = None
         if self.negotiate:
             flags = torch.tensor(has, dtype=torch.uint8, device=self.device)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+            work = start(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._flag_group)
             self._flags = (flags, work)
             self._bytes += flags.numel()
         self._waiting = {bucket.index: (bucket, handle) for bucket, handle in self._handles}

@@ -283,7 +283,7 @@ class _Averager:
         """The flag exchange that starts every round: False when some rank is stopping."""
         stopping = self._stop.is_set()
         flag = torch.tensor([0 if stopping else 1], dtype=torch.int32, device=self.params[0].device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        work = comm.start(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self.group)
         self.owner.bytes_sent += 2 * (self.world - 1) * flag.element_size() // self.world
         try:
             work.wait(timeout=self.timeout)

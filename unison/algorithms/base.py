@@ -98,7 +98,7 @@ class Algorithm:
         ``grad_scale``, so the sum is the average): what "allreduce" does, and
         what model-averaging algorithms use during their synchronous warm-up.
         """
-        return dist.all_reduce(bucket.flat, group=group, async_op=True)
+        return comm.start(dist.all_reduce, bucket.flat, group=group)
 
     def bucket_wire_bytes(self, bucket, world_size: int) -> int:
         """Bytes this rank sends for one bucket (a ring allreduce)."""

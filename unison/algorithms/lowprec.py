@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ..comm import ring_bytes
+from ..comm import ring_bytes, start
 from .base import Algorithm
 
 
@@ -35,10 +35,10 @@ class CastAllReduce(Algorithm):
 
     def reduce_bucket(self, bucket, group):
         if bucket.flat.dtype == self.wire_dtype:
-            return dist.all_reduce(bucket.flat, group=group, async_op=True)
+            return start(dist.all_reduce, bucket.flat, group=group)
         wire = self._wire_buffer(bucket)
         wire.copy_(bucket.flat)
-        future = dist.all_reduce(wire, group=group, async_op=True).get_future()
+        future = start(dist.all_reduce, wire, group=group).get_future()
         flat = bucket.flat
         return future.then(lambda _: flat.copy_(wire))
 

@@ -152,7 +152,7 @@ class PowerSGD(Algorithm):
 
     def reduce_bucket(self, bucket, group):
         if not self.compressing():
-            return dist.all_reduce(bucket.flat, group=group, async_op=True)
+            return comm.start(dist.all_reduce, bucket.flat, group=group)
         return self.thread.submit(self._compressed_reduce, bucket, self._plan(bucket), self.steps)
 
     def bucket_wire_bytes(self, bucket, world_size):

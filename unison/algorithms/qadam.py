@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..buckets import split
+from ..comm import start
 from .base import Algorithm
 from .bytegrad import Exchange, bucket_exchange, wire_bytes_8bit
 from .state import FlatState
@@ -81,7 +82,7 @@ class QAdam(Algorithm):
         world = dist.get_world_size(group)
         self._compressing = world > 1 and not self.optimizer.warming_up and bucket.flat.numel() > 0
         if not self._compressing:
-            return dist.all_reduce(bucket.flat, group=group, async_op=True)
+            return start(dist.all_reduce, bucket.flat, group=group)
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
         momentum = self.momentum.get(bucket)
