@@ -116,6 +116,20 @@ class GradReducer:
                 self._views[i] = view
         self._sizes = [len(b.indices) for b in self.buckets]
 
+    def set_bucket_cap(self, cap_bytes: int) -> None:
+        """Re-plan the buckets at ``cap_bytes`` each, keeping the current order.
+
+        Call it between backward passes, with the same value on every rank
+        (autotuning picks it from measurements agreed on by all ranks).
+        """
+        self.complete()
+        order = [i for b in self.buckets for i in b.indices]
+        self.cap = int(cap_bytes)
+        self.first_cap = min(self.cap, bucketing.MB)
+        groups = bucketing.plan(self.params, order, self.cap, self.first_cap)
+        if groups != [b.indices for b in self.buckets]:
+            self._set_buckets(groups)
+
     def _make_hook(self, i: int):
         def hook(_param):
             self._on_grad(i)
