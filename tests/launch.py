@@ -93,3 +93,39 @@ def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeo
         if failure or errors:
             raise AssertionError((failure or "a rank failed") + "\n" + "\n".join(errors))
         return results
+
+
+def run_outcomes(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[dict]:
+    """Like ``run``, for tests where ranks die on purpose: every rank runs to its own end.
+
+    Returns, per rank, ``{"exitcode": int, "ok": result}`` or ``{"exitcode": int,
+    "error": traceback}``; a rank that died without a word has only its exit
+    code. A group still running after ``timeout`` seconds is killed and fails
+    the test (a hang).
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "unison"])
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = mp.start_processes(
+            _worker,
+            args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout
+        for p in procs.processes:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout} s (hang)")
+        outcomes = []
+        for r, p in enumerate(procs.processes):
+            path = os.path.join(outdir, f"{r}.pt")
+            data = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+            outcomes.append({"exitcode": p.exitcode, **data})
+        return outcomes

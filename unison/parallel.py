@@ -9,7 +9,9 @@ gradients in flat buckets overlapped with backward.
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
+import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -19,9 +21,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
+from . import health
+from .join import STEP, Join, forward_code
 from .buckets import MB
 from .averaging import average_optimizer_states
-from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast, default_reduce
+from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast, default_reduce, private_group
 from .reducer import GradReducer
 
 # torch DDP arguments that have no meaning here: accepted, with a warning.
@@ -69,6 +73,16 @@ class DataParallel(nn.Module):
             place; replaces the algorithm's reduction (called after backward).
         broadcast_function: ``fn(tensors, group)`` that broadcasts ``tensors``
             in place from the group's first rank.
+        nonfinite: what to do when a gradient holds nan or inf: None (nothing,
+            as torch DDP), "raise" (every rank raises FloatingPointError naming
+            the rank and the first such parameter), or "skip" (every rank skips
+            that optimizer step together; the bad gradient never leaves its
+            rank). ``model.skipped_steps`` counts skipped steps.
+        debug: check before every forward that all ranks are about to run the
+            same step (forward count, synchronization, bucket plan, algorithm,
+            world size) and raise naming the ranks that differ, instead of
+            hanging or mixing data. Costs one small allgather per forward.
+            Default: the environment variable ``UNISON_DEBUG=1``.
         **ddp_kwargs: torch DDP arguments that do not apply here (device_ids,
             output_device, ...): accepted with a warning naming them.
 
@@ -93,6 +107,8 @@ class DataParallel(nn.Module):
         delay_reduce: bool = False,
         reduce_function: Optional[ReduceFn] = None,
         broadcast_function: Optional[ReduceFn] = None,
+        nonfinite: Optional[str] = None,
+        debug: Optional[bool] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -104,8 +120,12 @@ class DataParallel(nn.Module):
         ignored = sorted(k for k, v in ddp_kwargs.items() if v is not None)
         if ignored:
             warnings.warn(f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here", stacklevel=2)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        if nonfinite not in (None, "raise", "skip"):
+            raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
+        if debug is None:
+            debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
         for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
@@ -121,6 +141,11 @@ class DataParallel(nn.Module):
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
         self._reducer = None
+        self.nonfinite = nonfinite
+        self.debug = bool(debug)
+        self._join: Optional[Join] = None
+        self._forwards = 0
+        self._skipped_local = 0
         self._retired_bytes = self._retired_steps = self._optimizer_steps = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
 
@@ -138,19 +163,24 @@ class DataParallel(nn.Module):
 
         named = list(module.named_parameters())
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
-        if self.process_group is not None:
-            self._check_ranks_agree(named)
-            with torch.no_grad():
-                tensors = [p for _, p in named] + [b for _, b in module.named_buffers()]
-                if tensors:
-                    self._broadcast_function(tensors, self.process_group)
         self.optimizers: list[torch.optim.Optimizer] = []
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
                 self.register_optimizer(opt)
+        if self.process_group is not None:
+            self._construct_collectives(named)
         self._start_algorithm()
 
     # ---- construction helpers ----------------------------------------
+    @health.translated("building DataParallel")
+    def _construct_collectives(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        self._check_ranks_agree(named)
+        self._step_group = private_group(self.process_group, f"{self.serial}/step")
+        with torch.no_grad():
+            tensors = [p for _, p in named] + [b for _, b in self.module.named_buffers()]
+            if tensors:
+                self._broadcast_function(tensors, self.process_group)
+
     def _check_ranks_agree(self, named: list[tuple[str, nn.Parameter]]) -> None:
         entries = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
         entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
@@ -160,6 +190,10 @@ class DataParallel(nn.Module):
             ("setting", "broadcast_buffers", self.broadcast_buffers),
             ("setting", "negotiate_grads", self.negotiate_grads),
             ("setting", "delay_reduce", self.delay_reduce),
+            ("setting", "nonfinite", self.nonfinite),
+            ("setting", "debug", self.debug),
+            ("setting", "world size", self.world_size),
+            ("setting", "optimizers", len(self.optimizers)),
         ]
         check_same_everywhere("the wrapped models", entries, self.process_group, _describe_entry)
 
@@ -172,6 +206,7 @@ class DataParallel(nn.Module):
             return
         names, params = zip(*self._trainable)
         self._reducer = reducer = _make_reducer(self, params, names, group)
+        reducer.nonfinite = self.nonfinite
         if self.broadcast_buffers and any(True for _ in self.module.buffers()):
             reducer.on_begin.append(self._start_buffer_sync)
             reducer.on_end.append(self._finish_buffer_sync)
@@ -186,6 +221,7 @@ class DataParallel(nn.Module):
             self._reducer.remove()
             self._reducer = None
 
+    @health.translated("switch_to()")
     def switch_to(self, algorithm: Union[str, algos.Algorithm]) -> None:
         """Change the algorithm mid-training, on every rank at the same step.
 
@@ -215,7 +251,13 @@ class DataParallel(nn.Module):
                 self._broadcast_function(list(self.module.buffers()), self._reducer.group)
 
     # ---- the training step ---------------------------------------------
+    @health.translated("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._join is not None:
+            self._join.notify(forward_code(torch.is_grad_enabled(), self._require_sync))
+        elif self.debug and self.process_group is not None:
+            self._check_step_agrees()
+        self._forwards += 1
         self.algorithm.before_forward(self)
         reducer = self._reducer
         if reducer is not None and torch.is_grad_enabled():
@@ -228,6 +270,50 @@ class DataParallel(nn.Module):
         self.algorithm.after_forward(self, output)
         return output
 
+    def _check_step_agrees(self) -> None:
+        """Debug mode: every rank must be about to run the same step (cheap hash first)."""
+        r = self._reducer
+        entries = [
+            ("setting", "forward number", self._forwards),
+            ("setting", "gradients enabled", torch.is_grad_enabled()),
+            ("setting", "synchronized (not no_sync)", self._require_sync),
+            ("setting", "optimizer steps", self._optimizer_steps),
+            ("setting", "algorithm", self.algorithm.describe()),
+            ("setting", "world size", self.world_size),
+            ("setting", "bucket plan", [b.indices for b in r.buckets] if r is not None else None),
+        ]
+        digest = zlib.crc32(repr(entries).encode())
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._step_group)
+        if extremes[0].item() != -extremes[1].item():  # max differs from min
+            check_same_everywhere("the training steps (debug mode)", entries, self._step_group, _describe_entry)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
+        """A context manager for uneven inputs: wrap the training loop in it.
+
+        A rank whose loop ends first keeps answering the other ranks'
+        collectives (contributing zero gradients and no update) until every
+        rank is done; then all ranks take the parameters and buffers of the rank
+        that trained longest. Works for every algorithm; torch's ``Join``
+        arguments mean the same here. While it is active, each forward and
+        optimizer step costs one extra tiny allreduce.
+
+        Example::
+
+            with model.join():
+                for x, y in loader:          # ranks may have different lengths
+                    optimizer.zero_grad()
+                    loss_fn(model(x), y).backward()
+                    optimizer.step()
+        """
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on every rank because a gradient was not finite (``nonfinite="skip"``)."""
+        return self._skipped_local + (self._reducer.skipped_steps if self._reducer is not None else 0)
+
+    @health.translated("average()")
     def average(self) -> None:
         """Make every replica identical now: a collective, so every rank must call it.
 
@@ -276,12 +362,52 @@ class DataParallel(nn.Module):
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: self._before_step(opt))
         optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt))
         self.optimizers.append(optimizer)
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    @health.translated("optimizer.step()")
+    def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
+        """Before a registered optimizer's step: tell joined ranks, check gradients if asked."""
+        if self.process_group is None or self.algorithm.defers_completion:
+            return  # nonblocking runs the real step layer by layer inside forward
+        if self._join is not None and not shadow:
+            self._join.notify(STEP + self.optimizers.index(optimizer))
+        if self.nonfinite is not None and optimizer is self.optimizers[0]:
+            r = self._reducer
+            covered = r is not None and r.nonfinite_checked and dist.get_world_size(r.group) == self.world_size
+            if not covered:
+                self._check_finite_at_step(shadow)
+
+    def _check_finite_at_step(self, shadow: bool) -> None:
+        """Gradients that were not averaged this step (model averaging): agree on the first bad one."""
+        n = len(self._trainable)
+        bad = None
+        if not shadow:
+            for i, (_, p) in enumerate(self._trainable):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    bad = i
+                    break
+        code = torch.tensor([0 if bad is None else (self.world_size - self.rank) * (n + 1) + (n - bad)], dtype=torch.int64)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self._step_group)
+        value = int(code.item())
+        if not value:
+            return
+        rank, name = self.world_size - value // (n + 1), self._trainable[n - value % (n + 1)][0]
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradient (nan or inf) on rank {rank} in parameter {name!r}. "
+                "Use DataParallel(..., nonfinite='skip') to skip such steps on every rank instead."
+            )
+        for _, p in self._trainable:  # torch's optimizers leave parameters without a gradient untouched
+            p.grad = None
+        self._skipped_local += 1
+
+    @health.translated("the algorithm's step")
+    def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         if optimizer is self.optimizers[0] and not self.algorithm.defers_completion:
             self._optimizer_steps += 1  # deferring algorithms count the user's step() calls themselves
+            health.advance()
         self.algorithm.after_step(self, optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:

@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from . import buckets as bucketing
-from . import comm
+from . import comm, health
 from .comm import src_rank, start
 
 
@@ -88,6 +88,14 @@ class GradReducer:
         # forward's no_sync state). DistributedOptimizer counts passes with it.
         self.decide_sync: Optional[Callable[[], bool]] = None
         self.on_end: list[Callable[[], None]] = []
+        # Non-finite gradients (DataParallel(nonfinite=...)): None, "raise" or "skip".
+        self.nonfinite: Optional[str] = None
+        self.skipped_steps = 0
+        # Whether the last backward pass checked for non-finite gradients across the group.
+        self.nonfinite_checked = False
+        # Divide gradients by this many ranks instead of the group's size (join with
+        # divide_by_initial_world_size=False).
+        self.scale_world: Optional[int] = None
         # Counters.
         self.steps = 0
         self.bytes_total = 0
@@ -95,7 +103,9 @@ class GradReducer:
 
         self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
         self._replan_pending = True
-        self._flag_group = comm.private_group(group, f"{getattr(owner, 'serial', id(self))}/flags") if negotiate else None
+        self._flag_group = comm.private_group(group, f"{getattr(owner, 'serial', id(self))}/flags")
+        self._rank = dist.get_rank(group)
+        self._bad: Optional[int] = None
         self._unfinished = False
         self._has = self._flags = None
         self._waiting: dict[int, tuple[bucketing.Bucket, Any]] = {}
@@ -163,22 +173,39 @@ class GradReducer:
         if self._in_pass:
             return
         self._in_pass = True
-        sync = self._sync if self.decide_sync is None else self.decide_sync()
-        if sync and self.algorithm.sync_gradients(self.owner):
+        if self._decide():
             self._begin()
         else:
             Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _decide(self) -> bool:
+        """Whether this pass synchronizes (asked once per pass)."""
+        sync = self._sync if self.decide_sync is None else self.decide_sync()
+        synced = bool(sync and self.algorithm.sync_gradients(self.owner))
+        if not synced:
+            self.nonfinite_checked = False
+        return synced
+
+    def shadow_pass(self, sync: bool) -> None:
+        """Issue one backward pass's collectives with nothing to contribute (a rank
+        that ran out of inputs, see ``unison.join``): zeros go out, averages come back."""
+        self._sync = sync
+        if not self._decide():
+            return
+        self._begin(queue=False)
+        self._finalize()
 
     def _end_pass(self) -> None:
         self._in_pass = False
 
     # ---- backward ------------------------------------------------------
-    def _begin(self) -> None:
+    def _begin(self, queue: bool = True) -> None:
         self.complete()  # a deferred completion must finish before buckets are rewritten
         self._active = True
         self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
         custom = self.comm_hook is not None or self.reduce_function is not None
-        self._scale = 1.0 if custom else self.algorithm.grad_scale(self.world)
+        self._scale = 1.0 if custom else self.algorithm.grad_scale(self.scale_world or self.world)
+        self._bad = None
         self._fired = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._next = 0
@@ -187,7 +214,8 @@ class GradReducer:
         self._bytes = 0
         for fn in self.on_begin:
             fn()
-        Variable._execution_engine.queue_callback(self._finalize)
+        if queue:
+            Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad(self, i: int) -> None:
         if not self._in_pass:
@@ -234,8 +262,18 @@ class GradReducer:
             view.mul_(self._scale)
         return True
 
+    def _screen(self, bucket: bucketing.Bucket) -> None:
+        """With ``nonfinite`` set: note this rank's first non-finite gradient and zero
+        its bucket, so a NaN never leaves the rank (nor enters error-feedback state)."""
+        if self.nonfinite is None or bool(torch.isfinite(bucket.flat).all()):
+            return
+        bad = [i for i, view in zip(bucket.indices, bucket.views) if not bool(torch.isfinite(view).all())]
+        self._bad = min(bad + ([] if self._bad is None else [self._bad]))
+        bucket.flat.zero_()
+
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        self._screen(bucket)
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             handle = hook(state, GradBucket(bucket, b == len(self.buckets) - 1))
@@ -247,6 +285,11 @@ class GradReducer:
     def _finalize(self) -> None:
         try:
             self._finish_backward()
+        except Exception as exc:
+            failure = health.explain(exc, "the gradient reduction of backward")
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             self._in_pass = self._active = False
 
@@ -267,16 +310,17 @@ class GradReducer:
                     has[i] = self._adopt(i)
         for b in range(first_unlaunched, len(self.buckets)):
             if self.reduce_function is not None:
+                self._screen(self.buckets[b])
                 self.reduce_function(self.buckets[b].views, self.group)
             else:
                 self._launch(b)
         self._has = has
         self._flags = None
-        if self.negotiate:
-            flags = torch.tensor(has, dtype=torch.uint8, device=self.device)
+        if self.negotiate or self.nonfinite is not None:
+            flags = self._flag_tensor(has)
             work = start(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._flag_group)
             self._flags = (flags, work)
-            self._bytes += flags.numel()
+            self._bytes += flags.numel() * flags.element_size()
         self._waiting = {bucket.index: (bucket, handle) for bucket, handle in self._handles}
         self._handles = []
         self._unfinished = True
@@ -295,9 +339,11 @@ class GradReducer:
         if not self._unfinished:
             return
         if self._has is not None:  # first call for this backward
-            self._settle_flags()
+            bad = self._settle_flags()
             for fn in self.on_end:
                 fn()
+            if bad is not None:
+                self._on_nonfinite(*bad)
         for b in list(self._waiting) if buckets is None else buckets:
             entry = self._waiting.pop(b, None)
             if entry is None:
@@ -315,18 +361,47 @@ class GradReducer:
             self._replan(self._arrival)
         self.algorithm.after_backward(self.owner)
 
-    def _settle_flags(self) -> None:
-        """Give the average to parameters that had no local gradient but one elsewhere."""
+    def _flag_tensor(self, has: list[bool]) -> torch.Tensor:
+        """What the MAX allreduce at the end of backward agrees on: which parameters
+        have a gradient somewhere and, with ``nonfinite``, the first bad (rank, parameter)."""
+        if self.nonfinite is None:
+            return torch.tensor(has, dtype=torch.uint8, device=self.device)
+        n = len(self.params)
+        code = 0 if self._bad is None else (self.world - self._rank) * (n + 1) + (n - self._bad)
+        return torch.tensor((has if self.negotiate else [True] * n) + [code], dtype=torch.int64, device=self.device)
+
+    def _settle_flags(self) -> Optional[tuple[int, str]]:
+        """Give the average to parameters that had no local gradient but one elsewhere;
+        return the first (rank, parameter) with a non-finite gradient, if any."""
+        n, bad = len(self.params), None
         if self._flags is not None:
             flags, work = self._flags
             work.wait()
             used_anywhere = flags.tolist()
-        else:  # not negotiated: every parameter takes part
-            used_anywhere = [True] * len(self.params)
+            if self.nonfinite is not None:
+                code = used_anywhere.pop()
+                if code:
+                    bad = (self.world - code // (n + 1), self.names[n - code % (n + 1)])
+        if self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
+            used_anywhere = [True] * n
         for i, local in enumerate(self._has):
             if not local and used_anywhere[i]:
                 self.params[i].grad = self._views[i]
         self._flags = self._has = None
+        self.nonfinite_checked = self.nonfinite is not None
+        return bad
+
+    def _on_nonfinite(self, rank: int, name: str) -> None:
+        """Every rank learns of the same bad gradient at once: raise, or skip the step."""
+        if self.nonfinite == "raise":
+            self.complete()  # leave nothing in flight
+            raise FloatingPointError(
+                f"non-finite gradient (nan or inf) on rank {rank} in parameter {name!r}; it was not sent to the "
+                "other ranks. Use DataParallel(..., nonfinite='skip') to skip such steps on every rank instead."
+            )
+        for p in self.params:  # torch's optimizers leave parameters without a gradient untouched
+            p.grad = None
+        self.skipped_steps += 1
 
     def _replan(self, arrival: list[int]) -> None:
         """Rebuild the buckets once, in rank 0's real gradient order."""

@@ -22,6 +22,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from . import health
+
 DEFAULT_PORT = 29500
 
 
@@ -163,6 +165,9 @@ class Topology:
 _topology: Optional[Topology] = None
 _timeout: Optional[datetime.timedelta] = None
 
+#: How long a collective waits for a silent peer when ``init()`` is given no timeout.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
 
 def collective_timeout() -> Optional[datetime.timedelta]:
     """The timeout given to ``init()`` (None: torch's default), for groups unison creates later."""
@@ -201,7 +206,9 @@ def init(
     Args:
         backend: "gloo", "nccl" or any torch backend; default nccl when CUDA is
             available, gloo otherwise.
-        timeout: seconds (or a timedelta) a collective may wait before failing.
+        timeout: seconds (or a timedelta) a collective may wait for a silent
+            peer before failing with an error naming it; default 10 minutes
+            (``DEFAULT_TIMEOUT``; torch's own is 30). Only for groups unison creates.
         nodes: pretend the processes form this many nodes (also ``UNISON_NODES``).
 
     Idempotent: a second call returns the same Topology. If torch.distributed
@@ -214,6 +221,10 @@ def init(
         nodes = int(os.environ["UNISON_NODES"])
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if timeout is None and not (dist.is_available() and dist.is_initialized()):
+        timeout = DEFAULT_TIMEOUT
     _timeout = timeout
 
     info = detect_launch()
@@ -253,6 +264,7 @@ def init(
     )
     if world > 1:
         _build_groups(topo)
+        health.start(rank, world)
     _topology = topo
     return topo
 
@@ -269,5 +281,6 @@ def shutdown() -> None:
     from .comm import forget_private_groups
 
     forget_private_groups()
+    health.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""Naming the rank that failed: heartbeats in the rendezvous store, and clear errors.
+
+When a peer dies, gloo reports "Connection reset by peer [127.0.0.1]:31661";
+when it stops answering, "Timed out waiting 1800000ms for recv". Neither says
+which rank. Every rank runs a small daemon thread that writes a heartbeat (the
+time and how many steps it has done) into the store of the default process
+group; when a collective fails, ``explain`` reads them and raises
+``RankFailure`` naming the ranks that went silent, or the ones that fell behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+#: Seconds between two heartbeats; a rank silent for STALE_AFTER heartbeats is named.
+INTERVAL_S = 0.5
+STALE_AFTER = 3
+
+_PREFIX = "unison/heartbeat/"
+
+
+class RankFailure(RuntimeError):
+    """A collective failed because other ranks died or stopped answering; ``ranks`` names them."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class Heartbeat:
+    """This rank's heartbeat: a daemon thread writing ``time progress`` every INTERVAL_S."""
+
+    def __init__(self, store, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+        self.progress = 0
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="unison-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self.store.set(f"{_PREFIX}{self.rank}", f"{time.time():.3f} {self.progress}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self._beat()
+            except Exception:  # the store went away (its host died, or shutdown): stop quietly
+                return
+
+    def read(self) -> dict[int, tuple[float, int]]:
+        """Every rank's last heartbeat: rank -> (time, progress); a rank that never beat is left out."""
+        seen = {}
+        for r in range(self.world):
+            key = f"{_PREFIX}{r}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                t, progress = self.store.get(key).decode().split()
+            except Exception:
+                continue
+            seen[r] = (float(t), int(progress))
+        return seen
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_heartbeat: Optional[Heartbeat] = None
+
+
+def start(rank: int, world: int) -> None:
+    """Start this process's heartbeat (``unison.init`` calls it when the world is larger than one)."""
+    global _heartbeat
+    if _heartbeat is not None or world < 2:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a group without a store: errors stay gloo's own
+        return
+    _heartbeat = Heartbeat(store, rank, world)
+
+
+def stop() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.close()
+        _heartbeat = None
+
+
+def advance() -> None:
+    """Count one step of this rank (the heartbeat carries it, to tell who fell behind)."""
+    if _heartbeat is not None:
+        _heartbeat.progress += 1
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because of a peer (not a bug in the caller)."""
+    if isinstance(exc, RankFailure):
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out", "timed out", "gloo", "NCCL")
+    )
+
+
+def explain(exc: BaseException, what: str) -> BaseException:
+    """A RankFailure naming the silent (or lagging) ranks behind ``exc``; ``exc`` itself if it is not a peer failure."""
+    hb = _heartbeat
+    if hb is None or not is_comm_failure(exc):
+        return exc
+    stale_s = INTERVAL_S * STALE_AFTER
+    deadline = time.time() + stale_s + 2 * INTERVAL_S
+    while True:  # a peer that just died still has a fresh heartbeat: give it time to go stale
+        try:
+            beats = hb.read()
+        except Exception:
+            beats = {}
+        now = time.time()
+        silent = [r for r in range(hb.world) if r != hb.rank and (r not in beats or now - beats[r][0] > stale_s)]
+        if silent or now > deadline:
+            break
+        time.sleep(INTERVAL_S / 2)
+    original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    advice = "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
+    if silent:
+        ages = ", ".join(
+            f"rank {r} (" + (f"silent for {now - beats[r][0]:.1f} s, at step {beats[r][1]}" if r in beats else "no heartbeat at all") + ")"
+            for r in silent
+        )
+        message = f"rank {hb.rank}: {what} failed because {ages} stopped answering: it died or hangs. {advice} [{original}]"
+        return RankFailure(message, silent)
+    if beats:
+        lowest = min(p for _, p in beats.values())
+        behind = [r for r, (_, p) in sorted(beats.items()) if p == lowest and r != hb.rank]
+        if behind and lowest < max(p for _, p in beats.values()):
+            message = (
+                f"rank {hb.rank}: {what} failed waiting for rank(s) {', '.join(map(str, behind))}, alive but behind "
+                f"(at step {lowest}): they are stuck outside the collective or run a different sequence of collectives. "
+                f"[{original}]"
+            )
+            return RankFailure(message, behind)
+    return exc
+
+
+def translated(what: str) -> Callable:
+    """Decorator: a peer failure inside the call becomes a RankFailure naming the rank."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                failure = explain(exc, what)
+                if failure is exc:
+                    raise
+                raise failure from exc
+
+        return call
+
+    return wrap
