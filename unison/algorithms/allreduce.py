@@ -8,25 +8,38 @@ With ``hierarchical=True`` a bucket is first reduced onto each node's leader
 inter-node group, and each leader broadcasts the result inside its node: the
 slow inter-node link carries one copy per node instead of one per process.
 Nodes come from ``unison.init()`` (``UNISON_NODES`` simulates them).
+
+With ``autotune=True`` the bucket size is tuned online: a few candidate sizes
+are each used for a few steps, timed, and the fastest (agreed on by all ranks)
+is kept; ``chosen_bucket_mb`` and ``autotune_gain`` say what was picked and how
+much faster it made a step than the model's ``bucket_cap_mb`` (see
+``bucket_tuner``). The tuning starts again when the algorithm is set up again
+(a switch, a new model) and is not saved in checkpoints.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+import torch
 import torch.distributed as dist
 
 from .. import comm, runtime
 from .base import Algorithm
+from .bucket_tuner import BucketTuner
 
 
 class AllReduce(Algorithm):
     name = "allreduce"
-    defaults = {"hierarchical": False}
+    defaults = {"hierarchical": False, "autotune": False}
 
     def validate(self) -> None:
-        if not isinstance(self.options["hierarchical"], bool):
-            raise ValueError(f"hierarchical must be True or False, got {self.options['hierarchical']!r}")
+        for name in ("hierarchical", "autotune"):
+            if not isinstance(self.options[name], bool):
+                raise ValueError(f"{name} must be True or False, got {self.options[name]!r}")
 
     def setup(self, model) -> None:
+        self._tuner = BucketTuner(model.bucket_cap_mb) if self.options["autotune"] else None
         self._hier = None
         if self.options["hierarchical"] and model.process_group is not None:
             self._hier = _Hierarchy(model.process_group, f"{model.serial}/hierarchical")
@@ -35,6 +48,30 @@ class AllReduce(Algorithm):
         if self._hier is not None:
             self._hier.close()
             self._hier = None
+
+    def before_forward(self, model) -> None:
+        if self._tuner is not None and getattr(model, "training", True) and torch.is_grad_enabled():
+            self._tuner.forward_started()
+
+    def after_backward(self, model) -> None:
+        if self._tuner is not None and getattr(model, "_reducer", None) is not None:
+            self._tuner.backward_ended(model._reducer)
+
+    @property
+    def tuning(self) -> Optional[dict[str, Any]]:
+        """The autotuning's measurements and choice, once made (None before, or without autotune)."""
+        tuner = getattr(self, "_tuner", None)
+        return None if tuner is None else tuner.result
+
+    @property
+    def chosen_bucket_mb(self) -> Optional[float]:
+        """The bucket size autotuning kept, in MiB (None until it has chosen)."""
+        return None if self.tuning is None else self.tuning["chosen_mb"]
+
+    @property
+    def autotune_gain(self) -> Optional[float]:
+        """Step time at the model's ``bucket_cap_mb`` over step time at the chosen size (>= 1)."""
+        return None if self.tuning is None else self.tuning["gain"]
 
     def reduce_bucket(self, bucket, group):
         if self._hier is not None:
