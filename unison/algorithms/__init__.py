@@ -10,6 +10,7 @@ Each algorithm is one module here; ``_BUILTIN`` maps its name to
 
 from __future__ import annotations
 
+import ast
 import importlib
 from typing import Any, Union
 
@@ -55,8 +56,28 @@ def get(name: str) -> type[Algorithm]:
 
 
 def create(name: str, **options: Any) -> Algorithm:
-    """An algorithm instance by name, with its options validated."""
-    return get(name)(**options)
+    """An algorithm instance by name, with its options validated.
+
+    Options can also be written in the name, as on the command line:
+    ``create("powersgd:rank=2,start_iter=0")`` is ``create("powersgd", rank=2, start_iter=0)``.
+    """
+    name, written = parse(name)
+    return get(name)(**{**written, **options})
+
+
+def parse(text: str) -> tuple[str, dict[str, Any]]:
+    """Split ``"name:key=value,key=value"`` into the name and its options (values as Python literals)."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"cannot read option {item!r} of {text!r}: write name:key=value,key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()  # a bare word: a string choice such as peer_selection=ring
+    return name.strip(), options
 
 
 def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:
