@@ -34,12 +34,12 @@ class AllReduce(Algorithm):
     defaults = {"hierarchical": False, "autotune": False}
 
     def validate(self) -> None:
-        for name in ("hierarchical", "autotune"):
+        for name in self.defaults:  # subclasses (nonblocking) keep only some of these options
             if not isinstance(self.options[name], bool):
                 raise ValueError(f"{name} must be True or False, got {self.options[name]!r}")
 
     def setup(self, model) -> None:
-        self._tuner = BucketTuner(model.bucket_cap_mb) if self.options["autotune"] else None
+        self._tuner = BucketTuner(model.bucket_cap_mb) if self.options.get("autotune") else None
         self._hier = None
         if self.options["hierarchical"] and model.process_group is not None:
             self._hier = _Hierarchy(model.process_group, f"{model.serial}/hierarchical")
