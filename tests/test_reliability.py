@@ -21,7 +21,7 @@ PG_TIMEOUT = 6  # seconds a collective waits for a silent peer in these tests
 def build(algorithm="allreduce", **kwargs):
     torch.manual_seed(0)
     net = MLP()
-    opt = unison.QAdamOptimizer(net.parameters(), lr=1e-3, warmup_steps=2) if algorithm == "qadam" else torch.optim.SGD(net.parameters(), lr=0.05)
+    opt = unison.QAdamOptimizer(net.parameters(), lr=1e-3, warmup_steps=2) if algorithm.startswith("qadam") else torch.optim.SGD(net.parameters(), lr=0.05)
     return net, opt, unison.DataParallel(net, optimizer=opt, algorithm=algorithm, **kwargs)
 
 
@@ -36,11 +36,22 @@ def step(model, opt, i, rank, poison=False):
 
 
 # ---- join: uneven inputs ----------------------------------------------------
+# Options that make each algorithm communicate within a few steps.
+OFTEN = {
+    "local_sgd": "local_sgd:period=2",
+    "decentralized": "decentralized:communication_interval=2",
+    "low_precision_decentralized": "low_precision_decentralized:communication_interval=3",
+    "diloco": "diloco:inner_steps=2",
+    "powersgd": "powersgd:start_iter=2",
+    "async": "async:sync_interval_ms=5.0",
+}
+
+
 def join_every_algorithm():
     rank = dist.get_rank()
     report = {}
     for name in unison.algorithms.names():
-        net, opt, model = build(name)
+        net, opt, model = build(OFTEN.get(name, name))
         before = [p.detach().clone() for p in net.parameters()]
         batches = 5 + 7 * rank  # rank 1 has more than twice as many
         with model.join():
