@@ -7,7 +7,9 @@ with a choice of how the replicas agree.
 """
 
 from . import algorithms
+from .checkpoint import load, save
 from .data import ShardSampler, sharded_loader
+from .health import RankFailure
 from .optim import DistributedOptimizer, QAdamOptimizer
 from .parallel import DataParallel
 from .runtime import Topology, detect_launch, init, shutdown, topology
@@ -18,11 +20,14 @@ __all__ = [
     "DataParallel",
     "DistributedOptimizer",
     "QAdamOptimizer",
+    "RankFailure",
     "ShardSampler",
     "Topology",
     "algorithms",
     "detect_launch",
     "init",
+    "load",
+    "save",
     "sharded_loader",
     "shutdown",
     "topology",

@@ -2,13 +2,17 @@
 
 ``ShardSampler`` is torch's DistributedSampler with its rank and world size
 taken from the running process group (a world of one when there is none), so
-the same script runs alone or distributed.
+the same script runs alone or distributed. It can also resume mid-epoch: a
+checkpoint records how far the epoch got, and the resumed pass yields the
+rest of the epoch in the order the uninterrupted pass would have.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -24,7 +28,17 @@ class ShardSampler(DistributedSampler):
 
     Every rank gets ``ceil(len / world)`` indices (the last few repeat the
     first ones, so shards stay equal) unless ``drop_last=True``. Call
-    ``set_epoch(epoch)`` before each epoch so all ranks shuffle alike.
+    ``set_epoch(epoch)`` before each epoch so all ranks shuffle alike; the
+    order is exactly torch's DistributedSampler's.
+
+    Resuming: ``set_epoch(epoch, start=n)`` makes the next pass skip the first
+    ``n`` indices of this rank's shard (``n`` = steps already done in the
+    epoch x batch size). ``state_dict()`` records the epoch and how many
+    indices the current pass has handed out; after ``load_state_dict`` the next
+    pass over that epoch (``set_epoch`` with the same epoch keeps it) yields
+    the remaining indices. The count is of indices handed to the DataLoader,
+    which is exact with ``num_workers=0``; worker processes read ahead, so with
+    them save at epoch ends or pass ``start`` yourself.
     """
 
     def __init__(
@@ -46,6 +60,86 @@ class ShardSampler(DistributedSampler):
             seed=seed,
             drop_last=drop_last,
         )
+        # Both count positions in the epoch's order across all ranks (rank r's
+        # shard is every num_replicas-th index of it, starting at r).
+        self._skip = 0  # to skip at the start of the next pass
+        self._consumed = 0  # handed out so far in this epoch
+
+    def set_epoch(self, epoch: int, start: Optional[int] = None) -> None:
+        """Shuffle for ``epoch``; the next pass starts ``start`` indices into this rank's shard.
+
+        Without ``start``, a new epoch starts at its beginning, and the epoch
+        restored by ``load_state_dict`` resumes where it was saved.
+        """
+        if start is not None:
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise ValueError(f"start must be a non-negative integer (samples of this rank's shard to skip), got {start!r}")
+            skip = start * self.num_replicas
+        elif epoch == self.epoch:
+            skip = self._skip
+        else:
+            skip = 0
+        super().set_epoch(epoch)
+        self._skip = self._consumed = skip
+
+    def _epoch_order(self) -> list[int]:
+        """The epoch's indices for all ranks, padded or cut as DistributedSampler does."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        return _fit(order, self.total_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0  # a resume applies to one pass only
+        rest = self._epoch_order()[skip:]
+        # Equal shards even when the world size changed since the checkpoint.
+        rest = _fit(rest, _round(len(rest), self.num_replicas, self.drop_last), self.drop_last)
+        self._consumed = skip
+        for index in rest[self.rank :: self.num_replicas]:
+            self._consumed += self.num_replicas
+            yield index
+
+    def __len__(self) -> int:
+        """Indices the next pass yields on this rank (fewer when it resumes mid-epoch)."""
+        remaining = max(self.total_size - self._skip, 0)
+        return _round(remaining, self.num_replicas, self.drop_last) // self.num_replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and how far into it the current pass has got (plain values)."""
+        return {
+            "epoch": self.epoch,
+            "consumed": self._consumed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(self.dataset),  # type: ignore[arg-type]
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Position the sampler where ``state_dict()`` was taken: the next pass over
+        that epoch yields the rest of it. The dataset, seed and shuffling must match."""
+        for key, mine in (("dataset_len", len(self.dataset)), ("seed", self.seed), ("shuffle", self.shuffle)):  # type: ignore[arg-type]
+            if state[key] != mine:
+                raise ValueError(f"the saved sampler has {key}={state[key]!r} but this one has {key}={mine!r}; the data order would differ")
+        super().set_epoch(int(state["epoch"]))
+        self._skip = self._consumed = int(state["consumed"])
+
+
+def _round(length: int, world: int, drop_last: bool) -> int:
+    """``length`` rounded to a multiple of ``world``: down with ``drop_last``, else up."""
+    return (length // world if drop_last else math.ceil(length / world)) * world
+
+
+def _fit(order: list[int], size: int, drop_last: bool) -> list[int]:
+    """``order`` cut to ``size``, or padded by repeating it from its start (DistributedSampler's rule)."""
+    if drop_last or len(order) >= size or not order:
+        return order[:size]
+    padding = size - len(order)
+    return order + (order * math.ceil(padding / len(order)))[:padding]
 
 
 def sharded_loader(
@@ -57,6 +151,14 @@ def sharded_loader(
     group: Optional[dist.ProcessGroup] = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
-    """A DataLoader over this rank's shard; ``loader.sampler.set_epoch(e)`` reshuffles."""
+    """A DataLoader over this rank's shard; ``loader.sampler.set_epoch(e)`` reshuffles.
+
+    Unless given a ``generator``, the loader draws its workers' seeds from a
+    private one (seeded from ``seed`` and the rank): a DataLoader without one
+    draws from torch's global RNG each time it starts a pass, so a run resumed
+    mid-epoch (one extra pass) would see different dropout masks.
+    """
     sampler = ShardSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group)
+    if loader_kwargs.get("generator") is None:
+        loader_kwargs["generator"] = torch.Generator().manual_seed(seed * 1_000_003 + sampler.rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)

@@ -1,0 +1,366 @@
+"""Checkpoints: save a training run and resume it exactly where it stopped.
+
+``save`` is a collective: every rank calls it. What differs between ranks (RNG
+states, algorithm state such as error-feedback residuals, and, for
+model-averaging algorithms whose replicas drift apart, the weights and
+optimizer states) is gathered to rank 0, which writes one file atomically
+(a temporary file in the same directory, fsync, rename), so a crash at any
+moment leaves either the previous checkpoint or the new one, never half of
+one. ``load`` reads that file on every rank and gives each rank its own
+entries, so training goes on along the same trajectory as if it had never
+stopped. Saving over the same path each time is safe, which is what makes
+"resume from the last checkpoint" simple::
+
+    state = unison.load(path, model, optimizer, sampler, missing_ok=True)
+    epoch, step = (state["epoch"], state["step"]) if state else (0, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import sys
+import uuid
+import warnings
+import zlib
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data import ShardSampler
+from .optim import DistributedOptimizer
+from .parallel import ALGORITHM_KEY, DataParallel
+
+FORMAT = "unison.checkpoint"
+VERSION = 1
+
+Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None]
+
+
+def save(
+    path: Union[str, os.PathLike],
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    sampler: Optional[ShardSampler] = None,
+    *,
+    epoch: int = 0,
+    step: int = 0,
+    extra: Any = None,
+) -> None:
+    """Write a checkpoint of the run to ``path``: a collective, every rank must call it.
+
+    Args:
+        path: the file to write (its directory is created); rank 0 writes it.
+            Writing over the previous checkpoint is safe: the file is replaced
+            in one atomic rename, after the new one is complete on disk.
+        model: a ``unison.DataParallel`` or a plain module (replicated alike on
+            every rank, as under torch DDP).
+        optimizer: an optimizer or a list of them.
+        sampler: a ``ShardSampler``, whose position in the epoch is saved so
+            the resumed run sees the rest of the epoch in the same order.
+        epoch, step: your loop's counters, returned by ``load``. Save at the
+            end of an epoch with ``epoch=epoch + 1``.
+        extra: anything else to keep (an LR scheduler's state dict, a best
+            score), from rank 0; plain data: numbers, strings, lists, dicts, tensors.
+
+    Stored: rank 0's weights and optimizer states (every rank's when the
+    algorithm lets replicas drift, or the optimizer is a DistributedOptimizer),
+    every rank's algorithm state and torch/Python/NumPy RNG states, the
+    sampler's position, the world size and the algorithm. Every rank returns
+    once the file is in place; if any rank fails to produce its part or rank 0
+    fails to write, every rank raises instead of waiting forever.
+    """
+    path = os.fspath(path)
+    optimizers = _optimizer_list(optimizer)
+    _check_plain(extra, "extra")
+    rank, world = _rank_and_world()
+    algorithm = model.algorithm if isinstance(model, DataParallel) else None
+    per_rank = world > 1 and ((algorithm is not None and algorithm.replicas_drift) or any(isinstance(o, DistributedOptimizer) for o in optimizers))
+
+    try:
+        if isinstance(model, DataParallel):
+            model.flush()  # pending updates (nonblocking, diloco's overlap) land before the state is read
+        mine: Any = _rank_entry(model, optimizers, algorithm, with_weights=per_rank)
+    except Exception as exc:  # tell rank 0 instead of leaving it waiting in the gather
+        mine = _Failure(f"rank {rank}: {type(exc).__name__}: {exc}")
+    entries = [mine] if world == 1 else _gather(mine, rank, world)
+
+    status: Optional[str] = None
+    if rank == 0:
+        failures = [e.message for e in entries if isinstance(e, _Failure)]
+        if failures:
+            status = "; ".join(failures)
+        else:
+            checkpoint = {
+                "format": FORMAT,
+                "version": VERSION,
+                "id": uuid.uuid4().hex,
+                "world_size": world,
+                "algorithm": None if algorithm is None else algorithm.name,
+                "algorithm_config": None if algorithm is None else algorithm.describe(),
+                "epoch": int(epoch),
+                "step": int(step),
+                "extra": extra,
+                "sampler": None if sampler is None else sampler.state_dict(),
+                "model": entries[0].pop("model"),
+                "optimizers": entries[0].pop("optimizers"),
+                "ranks": entries,
+            }
+            try:
+                _write_atomically(checkpoint, path)
+            except Exception as exc:
+                status = f"rank 0 could not write {path}: {type(exc).__name__}: {exc}"
+    if world > 1:
+        box = [status]
+        dist.broadcast_object_list(box, src=0)  # doubles as the barrier: nobody runs ahead of the file
+        status = box[0]
+    if status is not None:
+        raise RuntimeError(f"checkpoint {path} was not saved: {status}")
+
+
+def load(
+    path: Union[str, os.PathLike],
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    sampler: Optional[ShardSampler] = None,
+    *,
+    strict: bool = True,
+    missing_ok: bool = False,
+) -> Optional[dict[str, Any]]:
+    """Restore a checkpoint written by ``save``: a collective, every rank must call it.
+
+    Every rank reads ``path`` (so it must be on a filesystem all ranks see)
+    and restores its own weights, optimizer and algorithm states and RNG
+    states, and the sampler's position. If the world size changed, every
+    rank takes rank 0's entries and reseeds its RNGs from them (with a
+    warning): training goes on, but not along the old trajectory.
+
+    Returns ``{"epoch", "step", "extra", "world_size", "algorithm"}`` as
+    saved, or None when ``missing_ok`` and no rank finds the file.
+
+    Raises (on every rank alike, so none is left waiting): FileNotFoundError
+    naming the path; ValueError for a file that is not a unison checkpoint, a
+    checkpoint of another algorithm (``strict=False`` loads everything else),
+    a different number of optimizers, or ranks that read different files.
+    """
+    path = os.fspath(path)
+    optimizers = _optimizer_list(optimizer)
+    rank, world = _rank_and_world()
+    checkpoint: Optional[dict] = None
+    try:
+        checkpoint = _read(path)
+        outcome = ("ok", checkpoint["id"])
+    except FileNotFoundError:
+        outcome = ("missing", f"no checkpoint at {path} (rank {rank})")
+    except ValueError as exc:
+        outcome = ("error", f"{exc} (rank {rank})")
+    except Exception as exc:
+        outcome = ("error", f"cannot read {path}: {type(exc).__name__}: {exc} (rank {rank})")
+    outcomes = [outcome] if world == 1 else _all_gather(outcome, world)
+    kinds = {kind for kind, _ in outcomes}
+    if kinds == {"missing"}:
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if "error" in kinds:
+        raise ValueError(next(text for kind, text in outcomes if kind == "error"))
+    if "missing" in kinds:
+        ranks = [r for r, (kind, _) in enumerate(outcomes) if kind == "missing"]
+        raise FileNotFoundError(f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem every rank can read")
+    if len({text for _, text in outcomes}) > 1:
+        raise ValueError(f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again")
+    assert checkpoint is not None
+
+    algorithm = model.algorithm if isinstance(model, DataParallel) else None
+    name = None if algorithm is None else algorithm.name
+    restore_algorithm = True
+    if checkpoint["algorithm"] != name:
+        if strict:
+            raise ValueError(
+                f"checkpoint {path} was saved by a model running algorithm {checkpoint['algorithm']!r} but this one runs "
+                f"{name!r}: build DataParallel with algorithm={checkpoint['algorithm']!r} to resume exactly (then switch_to "
+                "another if you wish), or load with strict=False to restore everything but the algorithm's state"
+            )
+        restore_algorithm = False
+    if len(checkpoint["optimizers"]) != len(optimizers):
+        raise ValueError(f"checkpoint {path} holds {len(checkpoint['optimizers'])} optimizer state(s) but {len(optimizers)} optimizer(s) were given")
+
+    same_world = checkpoint["world_size"] == world
+    if not same_world:
+        warnings.warn(
+            f"checkpoint {path} was saved by {checkpoint['world_size']} ranks and is loaded by {world}: every rank takes rank 0's "
+            "state and reseeds its RNGs, so training resumes but not along the saved trajectory",
+            stacklevel=2,
+        )
+    entry = checkpoint["ranks"][rank if same_world else 0]
+    weights = entry.get("model", checkpoint["model"])
+    algorithm_state = entry["algorithm"] if restore_algorithm else None
+    if isinstance(model, DataParallel) and algorithm_state:
+        model.load_state_dict({**weights, ALGORITHM_KEY: {"name": name, "state": algorithm_state}}, strict=strict)
+    else:
+        (model.module if isinstance(model, DataParallel) else model).load_state_dict(weights, strict=strict)
+    for opt, state in zip(optimizers, entry.get("optimizers", checkpoint["optimizers"])):
+        opt.load_state_dict(state)
+    if sampler is not None and checkpoint["sampler"] is not None:
+        sampler.load_state_dict(checkpoint["sampler"])
+    if same_world:
+        _set_rng(entry["rng"])
+    else:
+        _reseed(checkpoint["ranks"][0]["rng"], rank)
+    return {key: checkpoint[key] for key in ("epoch", "step", "extra", "world_size", "algorithm")}
+
+
+class _Failure:
+    """What a rank sends instead of its state when producing it failed."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer or a list of them, got {type(opt).__name__}")
+    return optimizers
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rank_entry(model: nn.Module, optimizers, algorithm, with_weights: bool) -> dict[str, Any]:
+    """This rank's part of the checkpoint (tensors moved to the CPU)."""
+    module = model.module if isinstance(model, DataParallel) else model
+    entry: dict[str, Any] = {"rng": _get_rng(), "algorithm": None if algorithm is None else algorithm.state_dict()}
+    if with_weights or _rank_and_world()[0] == 0:
+        entry["model"] = module.state_dict()
+        entry["optimizers"] = [opt.state_dict() for opt in optimizers]
+    return _to_cpu(entry)
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` would not read back, naming where it is."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; keys must be str or int")
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(f"{where} is a {type(obj).__name__}; a checkpoint's extra holds plain data only (numbers, strings, lists, dicts, tensors)")
+
+
+def _gather(obj: Any, rank: int, world: int) -> Optional[list]:
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _all_gather(obj: Any, world: int) -> list:
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _write_atomically(obj: Any, path: str) -> None:
+    """torch.save to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(os.path.basename(path))}.*.tmp")):
+        with contextlib.suppress(OSError):  # left by a writer that was killed mid-write
+            os.unlink(stale)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The checkpoint at ``path``; ValueError if the file is not one."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{path} is not a unison checkpoint (torch.load failed: {exc})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a unison checkpoint (written by unison.save); a plain state dict loads with model.load_state_dict(torch.load(path))"
+        )
+    if checkpoint.get("version") != VERSION:
+        raise ValueError(f"{path} is a unison checkpoint of version {checkpoint.get('version')!r}; this unison reads version {VERSION}")
+    return checkpoint
+
+
+def _get_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
+    """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
+    seed = (zlib.crc32(rank0_state["torch"].numpy().tobytes()) * 1_000_003 + rank) % 2**32
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed)
+
+
+def _tuples(obj: Any) -> Any:
+    """Lists back to tuples (random.setstate wants its nested tuple)."""
+    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
