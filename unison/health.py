@@ -11,6 +11,7 @@ group; when a collective fails, ``explain`` reads them and raises
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -54,16 +55,14 @@ class Heartbeat:
                 return
 
     def read(self) -> dict[int, tuple[float, int]]:
-        """Every rank's last heartbeat: rank -> (time, progress); a rank that never beat is left out."""
+        """Every rank's last heartbeat: rank -> (time, progress); a rank that never beat is left out.
+        Raises if the store itself cannot be reached."""
         seen = {}
         for r in range(self.world):
             key = f"{_PREFIX}{r}"
-            try:
-                if not self.store.check([key]):
-                    continue
-                t, progress = self.store.get(key).decode().split()
-            except Exception:
+            if not self.store.check([key]):
                 continue
+            t, progress = self.store.get(key).decode().split()
             seen[r] = (float(t), int(progress))
         return seen
 
@@ -116,20 +115,24 @@ def explain(exc: BaseException, what: str) -> BaseException:
     hb = _heartbeat
     if hb is None or not is_comm_failure(exc):
         return exc
+    original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    advice = "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
     stale_s = INTERVAL_S * STALE_AFTER
     deadline = time.time() + stale_s + 2 * INTERVAL_S
     while True:  # a peer that just died still has a fresh heartbeat: give it time to go stale
         try:
             beats = hb.read()
-        except Exception:
-            beats = {}
+        except Exception:  # the store is gone: under env:// rendezvous rank 0 hosts it
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
+                host, ranks = "the launcher's rendezvous store", []
+            else:
+                host, ranks = "rank 0, which hosts the rendezvous store,", [0]
+            return RankFailure(f"rank {hb.rank}: {what} failed and {host} cannot be reached: it died or its machine went down. {advice} [{original}]", ranks)
         now = time.time()
         silent = [r for r in range(hb.world) if r != hb.rank and (r not in beats or now - beats[r][0] > stale_s)]
         if silent or now > deadline:
             break
         time.sleep(INTERVAL_S / 2)
-    original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    advice = "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
     if silent:
         ages = ", ".join(
             f"rank {r} (" + (f"silent for {now - beats[r][0]:.1f} s, at step {beats[r][1]}" if r in beats else "no heartbeat at all") + ")"
