@@ -94,7 +94,7 @@ def test_hierarchical_equals_flat_allreduce_on_simulated_nodes():
 def test_switch_algorithms_mid_training():
     results = launch.run(switching, 2, timeout=90)
     for r in results:
-        assert r["names"] == ["fp16()", "allreduce(hierarchical=True)", "bf16()", "allreduce(hierarchical=False)"]
+        assert r["names"] == ["fp16()", "allreduce(autotune=False, hierarchical=True)", "bf16()", "allreduce(autotune=False, hierarchical=False)"]
         assert all(s == 0.0 for s in r["spreads"])
         assert "fp16()" in r["mismatch"] and "bf16()" in r["mismatch"]
 
