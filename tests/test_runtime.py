@@ -107,7 +107,7 @@ def test_unknown_argument_is_a_type_error():
 
 
 def test_bad_bucket_size():
-    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         unison.DataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0)
 
 
