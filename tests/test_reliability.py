@@ -143,7 +143,11 @@ def train_until_a_rank_fails(algorithm, how):
             if rank == 1 and i == 5:
                 if how == "exit":
                     os._exit(1)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                if how == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                if how == "stuck":  # alive (its heartbeat goes on) but away from the collectives
+                    time.sleep(PG_TIMEOUT + 4)
+                    os._exit(1)
             if i == 5:
                 start = time.monotonic()
             step(model, opt, i, rank)
@@ -158,7 +162,7 @@ def train_until_a_rank_fails(algorithm, how):
     return None
 
 
-@pytest.mark.parametrize("algorithm,how,world", [("allreduce", "exit", 3), ("allreduce", "stop", 2), ("async", "exit", 2), ("nonblocking", "exit", 2)])
+@pytest.mark.parametrize("algorithm,how,world", [("allreduce", "exit", 3), ("allreduce", "stop", 2), ("async", "exit", 2), ("nonblocking", "exit", 2), ("local_sgd:period=2", "exit", 2)])
 def test_survivors_name_the_rank_that_died_or_went_silent(algorithm, how, world):
     outcomes = launch.run_outcomes(train_until_a_rank_fails, world, algorithm, how, timeout=90, pg_timeout=PG_TIMEOUT)
     assert outcomes[1]["exitcode"] != 0
@@ -169,6 +173,14 @@ def test_survivors_name_the_rank_that_died_or_went_silent(algorithm, how, world)
         assert "rank 1 (" in result["message"] and "stopped answering" in result["message"], result["message"]
         # A dead peer is seen at once; a silent one after the collective timeout. Both then need a few heartbeats.
         assert result["elapsed"] < PG_TIMEOUT + 10, result
+
+
+def test_a_rank_alive_but_stuck_is_named_as_behind():
+    outcomes = launch.run_outcomes(train_until_a_rank_fails, 2, "allreduce", "stuck", timeout=90, pg_timeout=PG_TIMEOUT)
+    result = outcomes[0]["ok"]
+    assert result["ranks"] == [1], result
+    assert "rank(s) 1, alive but behind" in result["message"], result["message"]
+    assert result["elapsed"] < PG_TIMEOUT + 10, result
 
 
 # ---- non-finite gradients ---------------------------------------------------

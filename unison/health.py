@@ -93,7 +93,7 @@ def stop() -> None:
 
 
 def advance() -> None:
-    """Count one step of this rank (the heartbeat carries it, to tell who fell behind)."""
+    """Count one forward pass of this rank (the heartbeat carries it, to tell who fell behind)."""
     if _heartbeat is not None:
         _heartbeat.progress += 1
 
@@ -135,7 +135,7 @@ def explain(exc: BaseException, what: str) -> BaseException:
         time.sleep(INTERVAL_S / 2)
     if silent:
         ages = ", ".join(
-            f"rank {r} (" + (f"silent for {now - beats[r][0]:.1f} s, at step {beats[r][1]}" if r in beats else "no heartbeat at all") + ")"
+            f"rank {r} (" + (f"silent for {now - beats[r][0]:.1f} s, after {beats[r][1]} forward passes" if r in beats else "no heartbeat at all") + ")"
             for r in silent
         )
         message = f"rank {hb.rank}: {what} failed because {ages} stopped answering: it died or hangs. {advice} [{original}]"
@@ -146,7 +146,7 @@ def explain(exc: BaseException, what: str) -> BaseException:
         if behind and lowest < max(p for _, p in beats.values()):
             message = (
                 f"rank {hb.rank}: {what} failed waiting for rank(s) {', '.join(map(str, behind))}, alive but behind "
-                f"(at step {lowest}): they are stuck outside the collective or run a different sequence of collectives. "
+                f"(after {lowest} forward passes): they are stuck outside the collective or run a different sequence of collectives. "
                 f"[{original}]"
             )
             return RankFailure(message, behind)

@@ -174,6 +174,7 @@ class DataParallel(nn.Module):
     # ---- construction helpers ----------------------------------------
     @health.translated("building DataParallel")
     def _construct_collectives(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        health.start(dist.get_rank(), dist.get_world_size())  # if unison.init() did not (a group made by hand)
         self._check_ranks_agree(named)
         self._step_group = private_group(self.process_group, f"{self.serial}/step")
         with torch.no_grad():
@@ -258,6 +259,7 @@ class DataParallel(nn.Module):
         elif self.debug and self.process_group is not None:
             self._check_step_agrees()
         self._forwards += 1
+        health.advance()
         self.algorithm.before_forward(self)
         reducer = self._reducer
         if reducer is not None and torch.is_grad_enabled():
@@ -407,7 +409,6 @@ class DataParallel(nn.Module):
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         if optimizer is self.optimizers[0] and not self.algorithm.defers_completion:
             self._optimizer_steps += 1  # deferring algorithms count the user's step() calls themselves
-            health.advance()
         self.algorithm.after_step(self, optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:
