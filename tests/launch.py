@@ -49,22 +49,40 @@ def _worker(rank: int, fn: Callable, world: int, port: int, outdir: str, env: di
         unison.shutdown()
 
 
+def _start(fn: Callable, world: int, args: tuple, outdir: str, pg_timeout: float, env: Optional[dict]):
+    """Start ``world`` ranks from the forkserver; each writes its outcome to ``outdir/<rank>.pt``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "unison"])
+    return mp.start_processes(
+        _worker,
+        args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
+    )
+
+
+def _outcome(outdir: str, rank: int) -> dict:
+    """What rank wrote: {"ok": result} or {"error": traceback}; {} if it died without a word."""
+    path = os.path.join(outdir, f"{rank}.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else {}
+
+
+def _kill_the_living(procs) -> None:
+    for p in procs.processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[Any]:
     """Call ``fn(*args)`` on ``world`` ranks; return each rank's result.
 
     Fails with every rank's traceback if any rank raised, and kills the group
     if it has not finished within ``timeout`` seconds (a hang is a failure).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "unison"])
     with tempfile.TemporaryDirectory() as outdir:
-        procs = mp.start_processes(
-            _worker,
-            args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
-            nprocs=world,
-            join=False,
-            start_method="forkserver",
-        )
+        procs = _start(fn, world, args, outdir, pg_timeout, env)
         deadline = time.monotonic() + timeout
         failure = None
         try:
@@ -75,24 +93,12 @@ def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeo
         except Exception as exc:  # a rank failed; start_processes killed the rest
             failure = f"a rank failed: {exc}"
         finally:
-            for p in procs.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        results = []
-        errors = []
-        for r in range(world):
-            path = os.path.join(outdir, f"{r}.pt")
-            if not os.path.exists(path):
-                results.append(None)
-                continue
-            data = torch.load(path, weights_only=False)
-            if "error" in data:
-                errors.append(f"--- rank {r} ---\n{data['error']}")
-            results.append(data.get("ok"))
+            _kill_the_living(procs)
+        outcomes = [_outcome(outdir, r) for r in range(world)]
+        errors = [f"--- rank {r} ---\n{o['error']}" for r, o in enumerate(outcomes) if "error" in o]
         if failure or errors:
             raise AssertionError((failure or "a rank failed") + "\n" + "\n".join(errors))
-        return results
+        return [o.get("ok") for o in outcomes]
 
 
 def run_outcomes(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[dict]:
@@ -103,29 +109,13 @@ def run_outcomes(fn: Callable, world: int = 2, *args: Any, timeout: float = 120,
     code. A group still running after ``timeout`` seconds is killed and fails
     the test (a hang).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "unison"])
     with tempfile.TemporaryDirectory() as outdir:
-        procs = mp.start_processes(
-            _worker,
-            args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
-            nprocs=world,
-            join=False,
-            start_method="forkserver",
-        )
+        procs = _start(fn, world, args, outdir, pg_timeout, env)
         deadline = time.monotonic() + timeout
         for p in procs.processes:
             p.join(max(0.1, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _kill_the_living(procs)
         if hung:
             raise AssertionError(f"ranks {hung} did not finish within {timeout} s (hang)")
-        outcomes = []
-        for r, p in enumerate(procs.processes):
-            path = os.path.join(outdir, f"{r}.pt")
-            data = torch.load(path, weights_only=False) if os.path.exists(path) else {}
-            outcomes.append({"exitcode": p.exitcode, **data})
-        return outcomes
+        return [{"exitcode": p.exitcode, **_outcome(outdir, r)} for r, p in enumerate(procs.processes)]
