@@ -10,6 +10,7 @@ group; when a collective fails, ``explain`` reads them and raises
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -68,6 +69,7 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=5)
 
 
 _heartbeat: Optional[Heartbeat] = None
@@ -83,6 +85,9 @@ def start(rank: int, world: int) -> None:
     except Exception:  # a group without a store: errors stay gloo's own
         return
     _heartbeat = Heartbeat(store, rank, world)
+    # Stopped before the interpreter finalizes: a daemon thread caught inside a store call
+    # then would abort the process (the same crash comm.start guards against).
+    atexit.register(stop)
 
 
 def stop() -> None:
