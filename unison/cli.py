@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unison", description="Data-parallel training with unison.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_train_parser(subparsers)
+    from .bench.command import add_parser as add_bench_parser  # `unison bench`: its options live in unison/bench
+
+    add_bench_parser(subparsers)
     return parser
 
 

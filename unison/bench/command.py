@@ -1,0 +1,207 @@
+"""The ``unison bench`` command line: options, then network, contenders, report.
+
+``add_parser(subparsers)`` declares the subcommand (``unison.cli`` registers
+it); ``run(args)`` carries it out and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Optional
+
+from . import contenders, netem, report, runner, workloads
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _checked(parse):
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
+
+
+def add_parser(subparsers) -> None:
+    """Declare ``unison bench`` and its options."""
+    p = subparsers.add_parser(
+        "bench",
+        help="which algorithm reaches a target quality fastest on a given network, against torch DDP and other peers",
+        description="Train a workload with every contender (unison's algorithms, torch DDP and its hooks, "
+        "pytorch-pfn-extras DDP) on an emulated network of NODES x PROCS-PER-NODE processes, and report "
+        "step time, throughput, bytes per step, time to a target quality and final quality, as a table, "
+        "JSON and PNG plots, with one recommendation. Network emulation (Linux namespaces and tc) needs root "
+        "and iproute2; without them the processes talk over plain loopback.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    what = p.add_argument_group("what to train")
+    what.add_argument("--workload", choices=workloads.NAMES, default="digits", help="built-in workload")
+    what.add_argument("--model", metavar="PKG.MOD:FACTORY", default=None,
+                      help="your own: factory() returns (model, dataset, loss_fn); replaces --workload")
+    what.add_argument("--contenders", default=None, metavar="LIST",
+                      help="comma list of unison algorithms (with options: powersgd:rank=2) and peers "
+                      f"({', '.join(contenders.PEERS)}); default: all (with --quick: {','.join(contenders.QUICK)})")
+    what.add_argument("--list", action="store_true", help="print every contender and exit")
+    net = p.add_argument_group("the network")
+    net.add_argument("--bandwidth", type=_checked(netem.parse_rate), default="1gbit",
+                     help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited'")
+    net.add_argument("--latency", type=_checked(netem.parse_delay), default="2ms",
+                     help="one-way delay between nodes (500us, 2ms) or 0")
+    net.add_argument("--nodes", type=_count, default=2, help="emulated machines")
+    net.add_argument("--procs-per-node", type=_count, default=1, help="processes per machine (they share its loopback)")
+    net.add_argument("--no-emulation", action="store_true", help="run on plain loopback even as root")
+    net.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, and exit")
+    how = p.add_argument_group("how long and how judged (defaults depend on the workload)")
+    how.add_argument("--steps", type=_count, default=None, help="training steps per contender")
+    how.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS", help="training seconds per contender")
+    how.add_argument("--target", type=float, default=None, help="target quality (accuracy as a fraction, or a loss)")
+    how.add_argument("--eval-every", type=_count, default=None, help="steps between evaluations")
+    how.add_argument("--batch-size", type=_count, default=None, help="samples per step on each rank")
+    how.add_argument("--lr", type=_seconds, default=None, help="learning rate")
+    how.add_argument("--seed", type=int, default=0, help="seed of the data split and the model")
+    how.add_argument("--quick", action="store_true", help="5 contenders, short runs: a few minutes at most")
+    how.add_argument("--contender-timeout", type=_seconds, default=None, metavar="SECONDS",
+                     help="fail a contender that runs longer (default: 180 + 3 x the time budget)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the plots, JSON and logs")
+    out.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here (default: DIR/bench.json)")
+    p.set_defaults(run=run)
+
+
+def config_from(args: argparse.Namespace) -> runner.BenchConfig:
+    return runner.BenchConfig(
+        workload=args.workload,
+        model=args.model,
+        contenders=args.contenders,
+        nodes=args.nodes,
+        procs_per_node=args.procs_per_node,
+        bandwidth=args.bandwidth,
+        latency=args.latency,
+        emulate=not args.no_emulation,
+        steps=args.steps,
+        time_budget_s=args.time_budget,
+        target=args.target,
+        eval_every=args.eval_every,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        quick=args.quick,
+        out_dir=args.out,
+        contender_timeout_s=args.contender_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    if args.cleanup:
+        removed = netem.cleanup_stale()
+        console.print(f"removed {len(removed)} namespace(s) left by killed runs" + (f": {', '.join(removed)}" if removed else ""))
+        return 0
+    if args.list:
+        for spec in contenders.all_specs():
+            console.print(spec)
+        return 0
+    config = config_from(args)
+    try:
+        specs = validate(config)
+    except ValueError as exc:
+        print(f"unison bench: {exc}", file=sys.stderr)
+        return 2
+    return bench(config, specs, console, json_path=args.json, argv=sys.argv)
+
+
+def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
+    """Check the options before anything starts; the contenders to run."""
+    if config.nodes * config.procs_per_node < 2:
+        raise ValueError("a bench needs at least 2 processes: raise --nodes or --procs-per-node")
+    if config.model:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # the console script does not look in the current folder
+        workloads.resolve_factory(config.model)
+    return contenders.parse_list(config.contenders, config.quick)
+
+
+def open_network(config: runner.BenchConfig, console) -> tuple[Optional[netem.Network], dict]:
+    """The emulated network, or None and why not (then ranks run on loopback)."""
+    world = f"{config.nodes} node{'s' if config.nodes > 1 else ''} x {config.procs_per_node} process{'es' if config.procs_per_node > 1 else ''}"
+    loopback = {"emulated": False, "nodes": config.nodes}
+    if not config.emulate:
+        return None, {**loopback, "summary": f"{world}, plain loopback", "note": None}
+    reason = netem.unavailable_reason()
+    net = None
+    if reason is None:
+        net = netem.Network(config.nodes, config.bandwidth, config.latency)
+        try:
+            net.up()
+        except netem.NetworkError as exc:
+            reason, net = str(exc), None
+    if net is None:
+        console.print(f"[yellow]network emulation unavailable ({reason}): running on plain loopback[/]")
+        return None, {**loopback, "summary": f"{world}, plain loopback", "note": f"not emulated: {reason}"}
+    info = net.describe()
+    parts = [net.bandwidth or "unlimited bandwidth"]
+    if net.latency:
+        parts.append(net.latency + ("" if net.latency_emulated else " (not emulated)"))
+    return net, {**info, "summary": f"{world}, {', '.join(parts)}"}
+
+
+def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console, json_path: Optional[str] = None,
+          argv: Optional[list[str]] = None) -> int:
+    """Run the bench and write its report; the exit code (0 even when some contenders failed)."""
+    settings = config.settings()
+    run_settings = config.resolved()
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        net, network = open_network(config, console)
+        if net is not None:
+            stack.callback(net.down)
+        console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; "
+                      f"{run_settings['steps']} steps or {run_settings['time_budget_s']:g} s each")
+
+        def progress(i: int, n: int, r: dict) -> None:
+            if r["status"] == "ok":
+                console.print(f"[{i + 1}/{n}] {r['label']}: {r['step_ms']:.1f} ms/step, "
+                              f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)")
+            else:
+                console.print(f"[{i + 1}/{n}] {r['label']}: [red]{r['status']}[/]: {r.get('error', '')}")
+
+        results = runner.run_all(config, specs, net, progress)
+    summary = report.summarize(results, settings, config.target)
+    doc = {
+        "command": " ".join(argv or []),
+        "workload": {"name": config.model or config.workload, "metric": settings.metric,
+                     "higher_is_better": settings.higher_is_better,
+                     "params": next((r["params"] for r in results if r.get("params")), None), **run_settings},
+        "network": network,
+        "world": {"nodes": config.nodes, "procs_per_node": config.procs_per_node, "world_size": config.nodes * config.procs_per_node},
+        **summary,
+        "wall_time_s": time.perf_counter() - started,
+        "contenders": results,
+    }
+    doc["plots"] = report.write_plots(doc, config.out_dir)
+    json_path = json_path or os.path.join(config.out_dir, "bench.json")
+    report.write_json(doc, json_path)
+    report.print_table(doc, console)
+    console.print(f"plots: {', '.join(doc['plots']) or 'none'}; JSON: {json_path}; logs: {os.path.join(config.out_dir, 'logs')}")
+    return 0

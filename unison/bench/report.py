@@ -1,0 +1,251 @@
+"""What ``unison bench`` reports: figures per contender, a table, JSON, PNG plots and one recommendation.
+
+``summarize`` turns the contenders' raw results into the report: the target
+(given, the workload's default, or within 2% of the best final quality when
+the workload has none), each contender's time and steps to reach it (the
+first evaluation at or past it, in training time: evaluations pause the
+clock), and speed-ups against torch DDP (DDP's step time or time to target
+over the contender's: above 1 is faster). ``print_table``, ``write_json`` and
+``write_plots`` present it; ``recommend`` names the fastest contender that
+reached the target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Optional
+
+from .workloads import Settings, reached
+
+BASELINE = "ddp"
+RELATIVE_TARGET = 0.02
+
+
+def pick_target(results: list[dict], settings: Settings, given: Optional[float]) -> tuple[Optional[float], str]:
+    """The target quality and where it came from."""
+    if given is not None:
+        return given, "--target"
+    if settings.target is not None:
+        return settings.target, "workload default"
+    finals = [r["final_quality"] for r in results if r.get("status") == "ok" and _finite(r.get("final_quality"))]
+    if not finals:
+        return None, "none (no contender finished)"
+    if settings.higher_is_better:
+        best = max(finals)
+        return best - RELATIVE_TARGET * abs(best), f"within {RELATIVE_TARGET:.0%} of the best final {settings.metric}"
+    best = min(finals)
+    return best + RELATIVE_TARGET * abs(best), f"within {RELATIVE_TARGET:.0%} of the best final {settings.metric}"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def time_to_target(curve: list[list[float]], target: Optional[float], higher_is_better: bool) -> tuple[Optional[float], Optional[int]]:
+    """(training seconds, steps) at the first evaluation that reached ``target``; (None, None) if none did."""
+    if target is None:
+        return None, None
+    for t, step, q in curve:
+        if _finite(q) and reached(q, target, higher_is_better):
+            return t, int(step)
+    return None, None
+
+
+def summarize(results: list[dict], settings: Settings, given_target: Optional[float]) -> dict[str, Any]:
+    """Add time to target and speed-ups vs DDP to each result; return the target and recommendation."""
+    target, source = pick_target(results, settings, given_target)
+    for r in results:
+        if r.get("status") == "ok":
+            r["time_to_target_s"], r["steps_to_target"] = time_to_target(r["curve"], target, settings.higher_is_better)
+    base = next((r for r in results if r["spec"] == BASELINE and r.get("status") == "ok"), None)
+    for r in results:
+        if r.get("status") != "ok":
+            continue
+        r["speedup_vs_ddp"] = {
+            "step": _ratio(base and base["step_ms"], r["step_ms"]),
+            "target": _ratio(base and base.get("time_to_target_s"), r.get("time_to_target_s")),
+        }
+    return {
+        "target": {"value": target, "source": source, "metric": settings.metric, "higher_is_better": settings.higher_is_better},
+        "recommendation": recommend(results, settings, target),
+    }
+
+
+def _ratio(base: Optional[float], value: Optional[float]) -> Optional[float]:
+    return base / value if base and value else None
+
+
+def recommend(results: list[dict], settings: Settings, target: Optional[float]) -> dict[str, Any]:
+    """The fastest contender to the target (or, if none reached it, the highest throughput), in one line."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    hit = [r for r in ok if r.get("time_to_target_s") is not None]
+    if hit:
+        best = min(hit, key=lambda r: r["time_to_target_s"])
+        vs = best.get("speedup_vs_ddp", {}).get("target")
+        versus = f", {vs:.1f}x as fast as torch DDP" if vs and best["spec"] != BASELINE else ""
+        text = (f"Use {best['label']}: it reached {settings.metric} {_fmt_q(target)} first, "
+                f"in {best['time_to_target_s']:.1f} s of training{versus}.")
+        return {"contender": best["spec"], "text": text}
+    if ok:
+        best = max(ok, key=lambda r: r.get("samples_per_s") or 0)
+        text = (f"No contender reached {settings.metric} {_fmt_q(target)}; the highest throughput was "
+                f"{best['label']} ({best['samples_per_s']:,.0f} samples/s). Train longer (--steps, --time-budget) or lower --target.")
+        return {"contender": None, "text": text}
+    return {"contender": None, "text": "Every contender failed; see the errors above and the logs."}
+
+
+def _fmt_q(q: Optional[float]) -> str:
+    return "n/a" if q is None else f"{q:.4g}"
+
+
+# ---- the terminal table ------------------------------------------------------------
+def _mb(r: dict) -> Optional[float]:
+    """MB per step: on the emulated links when measured, else this rank's own count."""
+    value = r.get("link_bytes_per_step")
+    if value is None:
+        value = r.get("bytes_per_step")
+    return None if value is None else value / 1e6
+
+
+def print_table(report: dict, console=None) -> None:
+    """The rich table of every contender, and the recommendation under it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    target = report["target"]
+    linked = any(r.get("link_bytes_per_step") is not None for r in report["contenders"])
+    table = Table(title=f"unison bench: {report['workload']['name']} on {report['network']['summary']}",
+                  caption=f"target: {target['metric']} {_fmt_q(target['value'])} ({target['source']}); "
+                          "xDDP: torch DDP's time over the contender's (above 1: faster)"
+                          + ("; MB/step measured on each node's link" if linked else "; MB/step sent by one rank"))
+    table.add_column("contender", style="bold")
+    for header in ("ms/step", "samples/s", "MB/step", "to target", "final", "xDDP step", "xDDP target"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for r in report["contenders"]:
+        if r.get("status") != "ok":
+            style = "dim" if r.get("status") == "not installed" else "red"
+            table.add_row(r["label"], f"[{style}]{r['status']}[/]", *[""] * 6)
+            continue
+        tt = r.get("time_to_target_s")
+        sp = r.get("speedup_vs_ddp", {})
+        label = r["label"]
+        if r.get("autotune"):
+            label += f" [{_fmt_mb(r['autotune']['chosen_mb'])}]"
+        table.add_row(
+            label,
+            f"{r['step_ms']:.1f}",
+            f"{r['samples_per_s']:,.0f}",
+            f"{_mb(r):.2f}",
+            "never" if tt is None else f"{tt:.1f} s",
+            f"{r['final_quality']:.4f}",
+            _fmt_x(sp.get("step")),
+            _fmt_x(sp.get("target")),
+        )
+    console.print(table)
+    for r in report["contenders"]:
+        if r.get("status") in ("failed", "not installed"):
+            console.print(f"[red]{r['label']}: {r['status']}: {r.get('error', '')}[/]")
+        if r.get("autotune"):
+            a = r["autotune"]
+            console.print(f"{r['label']}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
+                          f"({a['gain']:.2f}x the step time at the default {_fmt_mb(a['default_mb'])}; "
+                          f"measured {', '.join(f'{_fmt_mb(float(k))}: {v:.1f} ms' for k, v in a['step_ms'].items())})")
+    if report["network"].get("note"):
+        console.print(f"[yellow]note: {report['network']['note']}[/]")
+    console.print(f"[bold green]{report['recommendation']['text']}[/]")
+
+
+def _fmt_x(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _fmt_mb(mb: float) -> str:
+    return f"{mb:g} MiB"
+
+
+# ---- JSON ----------------------------------------------------------------------
+def write_json(report: dict, path: str) -> None:
+    """The whole report (settings, network, every contender with its curve) as JSON."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=_plain)
+        f.write("\n")
+
+
+def _plain(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+# ---- plots ---------------------------------------------------------------------
+def write_plots(report: dict, out_dir: str) -> list[str]:
+    """quality.png (quality against training time, target line), throughput.png and bytes.png; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    ok = [r for r in report["contenders"] if r.get("status") == "ok"]
+    if not ok:
+        return []
+    target = report["target"]
+    title = f"{report['workload']['name']}, {report['network']['summary']}"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    if len(ok) > 10:
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+    for r in ok:
+        t = [p[0] for p in r["curve"]]
+        q = [p[2] for p in r["curve"]]
+        width = 2.4 if r["spec"] == BASELINE else 1.4
+        ax.plot(t, q, marker=".", linewidth=width, label=r["label"], color="black" if r["spec"] == BASELINE else None)
+    if target["value"] is not None:
+        ax.axhline(target["value"], color="grey", linestyle="--", linewidth=1, label=f"target {_fmt_q(target['value'])}")
+    ax.set_xlabel("training time (s, evaluation excluded)")
+    ax.set_ylabel(target["metric"])
+    ax.set_title(f"{target['metric']} against training time: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    paths.append(_save(fig, os.path.join(out_dir, "quality.png")))
+
+    paths.append(_bars([r["label"] for r in ok], [r["samples_per_s"] for r in ok], "samples/s (all ranks)",
+                       f"throughput: {title}", os.path.join(out_dir, "throughput.png"), ok))
+    linked = all(r.get("link_bytes_per_step") is not None for r in ok)
+    values = [(r["link_bytes_per_step"] if linked else r["bytes_per_step"]) / 1e6 for r in ok]
+    what = "MB per step on each node's link (measured)" if linked else "MB sent per step by one rank"
+    paths.append(_bars([r["label"] for r in ok], values, what, f"communication: {title}",
+                       os.path.join(out_dir, "bytes.png"), ok, log=True))
+    plt.close("all")
+    return paths
+
+
+def _bars(labels, values, xlabel, title, path, results, log=False) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(labels) + 1.6))
+    colors = ["black" if r["spec"] == BASELINE else "tab:blue" for r in results]
+    shown = [max(v, 1e-6) if log else v for v in values]
+    ax.barh(labels, shown, color=colors)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    for y, v in enumerate(values):
+        ax.text(shown[y], y, f" {v:,.3g}", va="center", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,269 @@
+"""Runs every contender of a bench, one after another, each on fresh rank processes.
+
+Each contender gets its own processes (so one that crashes or hangs cannot
+take the others down): ``python -m unison.bench.worker`` per rank, inside its
+node's namespace (``ip netns exec``) when the network is emulated, on plain
+loopback otherwise. A contender whose ranks fail or overrun their time limit
+is recorded as failed with the first failing rank's error, and the bench goes
+on. Rank processes die with the bench (PR_SET_PDEATHSIG), even when it is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+from . import contenders, netem, workloads
+
+
+@dataclass
+class BenchConfig:
+    """Everything a bench run needs; None means the workload's default."""
+
+    workload: str = "digits"
+    model: Optional[str] = None
+    contenders: Optional[str] = None  # comma list; None: all (the quick set with ``quick``)
+    nodes: int = 2
+    procs_per_node: int = 1
+    bandwidth: Optional[str] = "1gbit"
+    latency: Optional[str] = "2ms"
+    emulate: bool = True
+    steps: Optional[int] = None
+    time_budget_s: Optional[float] = None
+    target: Optional[float] = None
+    eval_every: Optional[int] = None
+    batch_size: Optional[int] = None
+    lr: Optional[float] = None
+    seed: int = 0
+    quick: bool = False
+    out_dir: str = "bench-results"
+    pg_timeout_s: float = 300.0
+    contender_timeout_s: Optional[float] = None
+
+    def settings(self) -> workloads.Settings:
+        return workloads.settings_for(self.workload, self.model)
+
+    def resolved(self) -> dict:
+        """The per-contender run settings with the workload's defaults (and --quick's) filled in."""
+        s = self.settings()
+        steps = self.steps or (max(20, s.steps // 2) if self.quick else s.steps)
+        budget = self.time_budget_s or (min(15.0, s.time_budget_s) if self.quick else s.time_budget_s)
+        return {
+            "steps": steps,
+            "time_budget_s": budget,
+            "eval_every": self.eval_every or s.eval_every,
+            "batch_size": self.batch_size or s.batch_size,
+            "lr": self.lr if self.lr is not None else s.lr,
+        }
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the bench process dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|terminate called|RuntimeError)\b.*")
+
+
+def error_line(log: str) -> str:
+    """The most telling line of a failed rank's output: its last exception line, else its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+@dataclass
+class RankGroup:
+    """The processes of one contender and where their output goes."""
+
+    procs: list[subprocess.Popen]
+    logs: list[str]
+    files: list = field(default_factory=list)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in self.files:
+            f.close()
+
+
+def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network], log_prefix: str, port: int) -> RankGroup:
+    """Start the ranks of one contender."""
+    procs, logs, files = [], [], []
+    base = {k: v for k, v in os.environ.items() if k not in ("UNISON_NODES", "GLOO_SOCKET_IFNAME")}
+    path = os.pathsep.join(p for p in (os.getcwd(), base.get("PYTHONPATH")) if p)
+    for rank in range(world):
+        node, local = divmod(rank, per_node)
+        env = {
+            **base,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "MASTER_ADDR": net.address(0) if net else "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": path,
+        }
+        if net:
+            env["GLOO_SOCKET_IFNAME"] = net.ifname(node)
+        argv = [sys.executable, "-m", "unison.bench.worker", cfg_path]
+        if net:
+            argv = net.exec_argv(node) + argv
+        log = f"{log_prefix}-rank{rank}.log"
+        f = open(log, "w")
+        files.append(f)
+        procs.append(subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=_die_with_parent))
+        logs.append(log)
+    return RankGroup(procs, logs, files)
+
+
+def wait(group: RankGroup, timeout: float, heartbeat: Optional[str] = None, grace: float = 5.0,
+         first_step_s: float = 180.0, stall_s: float = 60.0) -> Optional[str]:
+    """Wait for every rank; None on success, else why the contender failed (ranks killed).
+
+    A contender fails when a rank fails, when it runs past ``timeout``, or when
+    rank 0 stops finishing steps (its ``heartbeat`` file is touched after each):
+    no first step within ``first_step_s``, or a pause longer than ``stall_s`` and
+    ten times the slowest step so far. Some failures hang rather than crash (torch's
+    PowerSGD hook on gloo sometimes does), and gloo's own timeout does not catch them all.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    failed_at = None
+    last_beat, slowest = None, 0.0
+    try:
+        while True:
+            codes = [p.poll() for p in group.procs]
+            if all(c == 0 for c in codes):
+                return None
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed_at = failed_at or time.monotonic()
+                if all(c is not None for c in codes) or time.monotonic() - failed_at > grace:
+                    return _describe_failure(group, bad[0], codes[bad[0]])
+            now = time.monotonic()
+            if now > deadline:
+                return f"timed out after {timeout:.0f} s"
+            beat = _mtime(heartbeat)
+            if beat is not None and beat != last_beat:
+                if last_beat is not None:
+                    slowest = max(slowest, beat - last_beat)
+                last_beat = beat
+            if heartbeat and not bad:
+                if last_beat is None and now - start > first_step_s:
+                    return f"no training step finished within {first_step_s:.0f} s (a hang?)"
+                if last_beat is not None and time.time() - last_beat > max(stall_s, 10 * slowest):
+                    return f"hung: no training step finished for {time.time() - last_beat:.0f} s"
+            time.sleep(0.1)
+    finally:
+        group.kill()
+
+
+def _mtime(path: Optional[str]) -> Optional[float]:
+    """When rank 0 last finished a step (None before its first one)."""
+    try:
+        return os.stat(path).st_mtime if path else None
+    except FileNotFoundError:
+        return None
+
+
+def _describe_failure(group: RankGroup, rank: int, code: int) -> str:
+    for f in group.files:
+        f.flush()
+    with open(group.logs[rank], errors="replace") as f:
+        line = error_line(f.read())
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return f"rank {rank} failed ({how}): {line}"
+
+
+def contender_timeout(config: BenchConfig, run: dict) -> float:
+    if config.contender_timeout_s:
+        return config.contender_timeout_s
+    return 180.0 + 3 * run["time_budget_s"]
+
+
+def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: dict, net: Optional[netem.Network], log_dir: str) -> dict:
+    """Train one contender on fresh ranks; its result, or its failure."""
+    entry = {"spec": spec.text, "label": spec.label, "kind": spec.kind}
+    reason = contenders.unavailable(spec)
+    if reason:
+        return {**entry, "status": "not installed", "error": reason}
+    safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.text)
+    prefix = os.path.join(log_dir, f"{index:02d}-{safe}")
+    world = config.nodes * config.procs_per_node
+    cfg = {
+        **run,
+        "spec": spec.text,
+        "workload": config.workload,
+        "model": config.model,
+        "seed": config.seed,
+        "result_path": os.path.abspath(prefix + ".json"),
+        "threads": max(1, (os.cpu_count() or 1) // world),
+        "pg_timeout_s": config.pg_timeout_s,
+        "heartbeat_path": os.path.abspath(prefix + ".heartbeat"),
+        "measure_link": net is not None,  # the worker reads its node's veth (GLOO_SOCKET_IFNAME)
+    }
+    for stale in (cfg["result_path"], cfg["heartbeat_path"]):
+        if os.path.exists(stale):
+            os.remove(stale)
+    cfg_path = prefix + "-config.json"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    port = 29500 + index if net else _free_port()
+    start = time.perf_counter()
+    group = launch(os.path.abspath(cfg_path), world, config.procs_per_node, net, prefix, port)
+    error = wait(group, contender_timeout(config, run), cfg["heartbeat_path"])
+    wall = time.perf_counter() - start
+    if error is None and not os.path.exists(cfg["result_path"]):
+        error = "rank 0 finished without writing its result"
+    if error:
+        return {**entry, "status": "failed", "error": error, "wall_time_s": wall, "logs": group.logs}
+    with open(cfg["result_path"]) as f:
+        result = json.load(f)
+    return {**entry, "status": "ok", "wall_time_s": wall, **result}
+
+
+def run_all(config: BenchConfig, specs: list[contenders.Spec], net: Optional[netem.Network],
+            progress: Callable[[int, int, dict], None] = lambda i, n, r: None) -> list[dict]:
+    """Run ``specs`` in order; ``progress(i, n, result)`` after each."""
+    run = config.resolved()
+    log_dir = os.path.join(config.out_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    results = []
+    for i, spec in enumerate(specs):
+        result = run_contender(i, spec, config, run, net, log_dir)
+        results.append(result)
+        progress(i, len(specs), result)
+    return results
+
+
+def config_dict(config: BenchConfig) -> dict:
+    return asdict(config)
