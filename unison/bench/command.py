@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Optional
 
+from rich.markup import escape
+
 from . import contenders, netem, report, runner, workloads
 
 
@@ -157,7 +159,7 @@ def open_network(config: runner.BenchConfig, console) -> tuple[Optional[netem.Ne
         except netem.NetworkError as exc:
             reason, net = str(exc), None
     if net is None:
-        console.print(f"[yellow]network emulation unavailable ({reason}): running on plain loopback[/]")
+        console.print(f"[yellow]network emulation unavailable ({escape(str(reason))}): running on plain loopback[/]")
         return None, {**loopback, "summary": f"{world}, plain loopback", "note": f"not emulated: {reason}"}
     info = net.describe()
     parts = [net.bandwidth or "unlimited bandwidth"]
@@ -181,10 +183,10 @@ def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console, jso
 
         def progress(i: int, n: int, r: dict) -> None:
             if r["status"] == "ok":
-                console.print(f"[{i + 1}/{n}] {r['label']}: {r['step_ms']:.1f} ms/step, "
+                console.print(f"[{i + 1}/{n}] {escape(r['label'])}: {r['step_ms']:.1f} ms/step, "
                               f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)")
             else:
-                console.print(f"[{i + 1}/{n}] {r['label']}: [red]{r['status']}[/]: {r.get('error', '')}")
+                console.print(f"[{i + 1}/{n}] {escape(r['label'])}: [red]{r['status']}[/]: {escape(r.get('error', ''))}")
 
         results = runner.run_all(config, specs, net, progress)
     summary = report.summarize(results, settings, config.target)

@@ -113,6 +113,7 @@ def _mb(r: dict) -> Optional[float]:
 def print_table(report: dict, console=None) -> None:
     """The rich table of every contender, and the recommendation under it."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else 120)
@@ -128,7 +129,7 @@ def print_table(report: dict, console=None) -> None:
     for r in report["contenders"]:
         if r.get("status") != "ok":
             style = "dim" if r.get("status") == "not installed" else "red"
-            table.add_row(r["label"], f"[{style}]{r['status']}[/]", *[""] * 6)
+            table.add_row(escape(r["label"]), f"[{style}]{r['status']}[/]", *[""] * 6)
             continue
         tt = r.get("time_to_target_s")
         sp = r.get("speedup_vs_ddp", {})
@@ -136,7 +137,7 @@ def print_table(report: dict, console=None) -> None:
         if r.get("autotune"):
             label += f" [{_fmt_mb(r['autotune']['chosen_mb'])}]"
         table.add_row(
-            label,
+            escape(label),
             f"{r['step_ms']:.1f}",
             f"{r['samples_per_s']:,.0f}",
             f"{_mb(r):.2f}",
@@ -148,15 +149,15 @@ def print_table(report: dict, console=None) -> None:
     console.print(table)
     for r in report["contenders"]:
         if r.get("status") in ("failed", "not installed"):
-            console.print(f"[red]{r['label']}: {r['status']}: {r.get('error', '')}[/]")
+            console.print(f"[red]{escape(r['label'])}: {r['status']}: {escape(r.get('error', ''))}[/]")
         if r.get("autotune"):
             a = r["autotune"]
-            console.print(f"{r['label']}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
+            console.print(f"{escape(r['label'])}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
                           f"({a['gain']:.2f}x the step time at the default {_fmt_mb(a['default_mb'])}; "
                           f"measured {', '.join(f'{_fmt_mb(float(k))}: {v:.1f} ms' for k, v in a['step_ms'].items())})")
     if report["network"].get("note"):
-        console.print(f"[yellow]note: {report['network']['note']}[/]")
-    console.print(f"[bold green]{report['recommendation']['text']}[/]")
+        console.print(f"[yellow]note: {escape(report['network']['note'])}[/]")
+    console.print(f"[bold green]{escape(report['recommendation']['text'])}[/]")
 
 
 def _fmt_x(x: Optional[float]) -> str:

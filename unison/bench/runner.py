@@ -80,12 +80,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|terminate called|RuntimeError)\b.*")
 
 
 def error_line(log: str) -> str:
     """The most telling line of a failed rank's output: its last exception line, else its last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in log.splitlines()]
+    lines = [line for line in lines if line]
     for line in reversed(lines):
         if _ERROR_LINE.match(line):
             return line[:500]

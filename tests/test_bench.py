@@ -1,0 +1,294 @@
+"""`unison bench`: emulated networks set up and torn down (also after a killed run), workloads,
+contender specs, and a small real bench writing its JSON and plots."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from unison import cli
+from unison.bench import contenders, netem, report, runner, workloads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None,
+                                 reason=f"network namespaces unavailable: {netem.unavailable_reason()}")
+
+
+def ours(pid: int) -> list[str]:
+    """The namespaces that process ``pid`` created."""
+    return [n for n in netem.namespaces() if re.fullmatch(rf"ub{pid}(n\d+|sw)", n)]
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- option parsing -------------------------------------------------------------
+def test_rates_and_delays():
+    assert netem.parse_rate("1gbit") == 1e9
+    assert netem.parse_rate("100mbit") == 1e8
+    assert netem.parse_rate("50mbps") == 4e8
+    assert netem.parse_rate("unlimited") is None
+    assert netem.parse_delay("2ms") == pytest.approx(0.002)
+    assert netem.parse_delay("500us") == pytest.approx(0.0005)
+    assert netem.parse_delay("0") is None
+    for bad in ("fast", "1gbyte", "-1mbit", "0mbit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            netem.parse_rate(bad)
+    with pytest.raises(ValueError, match="latency"):
+        netem.parse_delay("2 parsecs")
+
+
+def test_contender_specs():
+    specs = contenders.parse_list("ddp,powersgd:rank=2,start_iter=5,allreduce:autotune=true,ddp_post_local_sgd:period=4")
+    assert [s.name for s in specs] == ["ddp", "powersgd", "allreduce", "ddp_post_local_sgd"]
+    assert specs[1].options == {"rank": 2, "start_iter": 5}
+    assert specs[2].options == {"autotune": True}
+    assert [s.kind for s in specs] == ["torch", "unison", "unison", "torch"]
+    every = [s.text for s in contenders.parse_list(None)]
+    assert {"ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd", "ppe_ddp", "allreduce:autotune=true"} <= set(every)
+    assert len(every) == 5 + 13 + 1
+    assert [s.text for s in contenders.parse_list(None, quick=True)] == contenders.QUICK
+    with pytest.raises(ValueError, match="unknown contender 'nccl_magic'"):
+        contenders.parse_list("ddp,nccl_magic")
+    with pytest.raises(ValueError, match="has no option"):
+        contenders.parse_list("ddp_fp16:rank=2")
+    with pytest.raises(ValueError, match="listed twice"):
+        contenders.parse_list("ddp,ddp")
+    with pytest.raises(ValueError, match="autotune must be True or False"):
+        contenders.parse_list("allreduce:autotune=maybe")
+
+
+def test_cli_refuses_bad_options(capsys):
+    assert cli.main(["bench", "--contenders", "ddp,fp17"]) == 2
+    assert "unknown contender 'fp17'" in capsys.readouterr().err
+    assert cli.main(["bench", "--nodes", "1"]) == 2
+    assert "at least 2 processes" in capsys.readouterr().err
+    assert cli.main(["bench", "--model", "no_such_module_here:f"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--bandwidth", "1gbyte"])
+
+
+# ---- workloads ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["digits", "charlm", "mlp", "bench_factory:tiny"])
+def test_workload_loads_and_trains_a_step(name):
+    custom = ":" in name
+    w = workloads.load(None if custom else name, seed=0, model_spec=name if custom else None)
+    x, y = next(iter(torch.utils.data.DataLoader(w.train, batch_size=4)))
+    before = w.evaluate(w.model)
+    loss = w.loss_fn(w.model(x), y)
+    loss.backward()
+    workloads.make_optimizer(w, w.model.parameters()).step()
+    after = w.evaluate(w.model)
+    assert torch.isfinite(loss) and loss.item() > 0
+    assert w.model.training  # evaluation restores training mode
+    s = w.settings
+    for q in (before, after):
+        assert 0.0 <= q <= 1.0 if s.higher_is_better else 0.0 < q < 10.0
+    assert w.params > {"digits": 4_000_000, "charlm": 100_000, "mlp": 20_000_000}.get(name, 0)
+    assert len(w.train) > 100
+
+
+def test_bad_model_factories():
+    with pytest.raises(ValueError, match="package.module:factory"):
+        workloads.load(None, model_spec="bench_factory")
+    with pytest.raises(ValueError, match="has no attribute"):
+        workloads.load(None, model_spec="bench_factory:nothing")
+    with pytest.raises(ValueError, match=r"must return \(model, dataset, loss_fn\)"):
+        workloads.load(None, model_spec="bench_factory:not_a_triple")
+
+
+# ---- report arithmetic ------------------------------------------------------------
+def test_time_to_target_and_speedups():
+    def ok(spec, step_ms, curve):
+        return {"spec": spec, "label": spec, "status": "ok", "step_ms": step_ms, "samples_per_s": 1000 / step_ms,
+                "final_quality": curve[-1][2], "curve": curve}
+
+    results = [
+        ok("ddp", 100.0, [[0, 0, 0.1], [1.0, 10, 0.8], [2.0, 20, 0.96]]),
+        ok("fp16", 50.0, [[0, 0, 0.1], [0.5, 10, 0.95], [1.0, 20, 0.97]]),
+        ok("local_sgd", 10.0, [[0, 0, 0.1], [0.1, 10, 0.5], [0.2, 20, 0.6]]),
+        {"spec": "ddp_powersgd", "label": "ddp_powersgd", "status": "failed", "error": "boom"},
+    ]
+    summary = report.summarize(results, workloads.SETTINGS["digits"], None)
+    assert summary["target"]["value"] == 0.95 and summary["target"]["source"] == "workload default"
+    assert (results[0]["time_to_target_s"], results[0]["steps_to_target"]) == (2.0, 20)
+    assert results[1]["time_to_target_s"] == 0.5 and results[2]["time_to_target_s"] is None
+    assert results[1]["speedup_vs_ddp"] == {"step": 2.0, "target": 4.0}
+    assert summary["recommendation"]["contender"] == "fp16"
+    assert "4.0x as fast as torch DDP" in summary["recommendation"]["text"]
+    # no default target (a loss, lower is better): within 2% of the best final value
+    losses = [ok("ddp", 100.0, [[0, 0, 3.0], [1.0, 10, 1.0]]), ok("fp16", 50.0, [[0, 0, 3.0], [0.5, 10, 1.1]])]
+    summary = report.summarize(losses, workloads.SETTINGS["custom"], None)
+    assert summary["target"]["value"] == pytest.approx(1.02)
+    assert summary["recommendation"]["contender"] == "ddp"
+
+
+# ---- emulated networks --------------------------------------------------------------
+@needs_netns
+def test_network_up_and_down():
+    with netem.Network(2, bandwidth="100mbit", latency="1ms") as net:
+        names = ours(os.getpid())
+        assert sorted(names) == sorted([net.namespace(0), net.namespace(1), net.switch])
+        qdisc = subprocess.run(["tc", "-n", net.namespace(0), "qdisc", "show", "dev", net.ifname(0)], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        if net.latency_emulated:
+            assert "netem" in qdisc
+        else:
+            assert "netem" in net.latency_note
+        # node 0 reaches node 1 over the bridge, at the addresses of our own namespaces
+        server = subprocess.Popen(net.exec_argv(1) + [sys.executable, "-c", (
+            "import socket; s = socket.create_server(('%s', 7777)); c, _ = s.accept(); c.sendall(c.recv(5) + b'!')"
+        ) % net.address(1)])
+        reply = subprocess.run(net.exec_argv(0) + [sys.executable, "-c", (
+            "import socket, time\n"
+            "for _ in range(100):\n"
+            "    try: c = socket.create_connection(('%s', 7777)); break\n"
+            "    except OSError: time.sleep(0.05)\n"
+            "c.sendall(b'hello'); print(c.recv(6).decode())"
+        ) % net.address(1)], capture_output=True, text=True, timeout=30)
+        server.wait(10)
+        assert reply.stdout.strip() == "hello!"
+        host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert net.prefix not in host_links  # nothing was created in the host's namespace
+    assert ours(os.getpid()) == []
+    assert net.prefix not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def start_bench(tmp_path, *extra):
+    """A long bench of one contender, in its own process, from the tests' folder (for --model)."""
+    argv = [sys.executable, "-m", "unison", "bench", "--model", "bench_factory:tiny", "--contenders", "ddp",
+            "--steps", "1000000", "--time-budget", "600", "--bandwidth", "10mbit", "--out", str(tmp_path), *extra]
+    return subprocess.Popen(argv, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def ranks_running(pid: int) -> list[str]:
+    return [p for n in ours(pid) for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+
+
+@needs_netns
+def test_killed_run_leaves_namespaces_that_cleanup_removes(tmp_path):
+    bench = start_bench(tmp_path)
+    try:
+        names = wait_for(lambda: len(ours(bench.pid)) == 3 and ranks_running(bench.pid) and ours(bench.pid), what="the bench's namespaces and ranks")
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(10)
+        assert sorted(ours(bench.pid)) == sorted(names)  # nothing could tear them down
+        wait_for(lambda: not ranks_running(bench.pid), 30, "the ranks to die with the bench")
+        assert cli.main(["bench", "--cleanup"]) == 0
+        assert ours(bench.pid) == []
+        assert f"ub{bench.pid}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        netem.cleanup_stale()
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_tears_down(tmp_path, sig):
+    bench = start_bench(tmp_path)
+    try:
+        wait_for(lambda: ranks_running(bench.pid), what="the bench's ranks")
+        bench.send_signal(sig)
+        assert bench.wait(30) != 0
+        assert ours(bench.pid) == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        netem.cleanup_stale()
+
+
+# ---- a real bench ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_bench(tmp_path_factory):
+    """Three contenders, one of which fails (nonblocking refuses nn.MultiheadAttention), on 2 nodes."""
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--model", "bench_factory:attending", "--contenders", "ddp,nonblocking,allreduce:autotune=true",
+            "--steps", "12", "--eval-every", "4", "--out", str(out), "--json", str(out / "report.json")]
+    cwd = os.getcwd()
+    os.chdir(HERE)
+    try:
+        code = cli.main(argv)
+    finally:
+        os.chdir(cwd)
+    with open(out / "report.json") as f:
+        return code, out, json.load(f)
+
+
+def test_bench_writes_json_and_plots(small_bench):
+    code, out, doc = small_bench
+    assert code == 0
+    assert doc["world"] == {"nodes": 2, "procs_per_node": 1, "world_size": 2}
+    assert doc["workload"]["name"] == "bench_factory:attending" and doc["workload"]["steps"] == 12
+    assert doc["network"]["emulated"] is (netem.unavailable_reason() is None)
+    by_spec = {r["spec"]: r for r in doc["contenders"]}
+    assert list(by_spec) == ["ddp", "nonblocking", "allreduce:autotune=true"]
+    for spec in ("ddp", "allreduce:autotune=true"):
+        r = by_spec[spec]
+        assert r["status"] == "ok" and r["steps"] == 12
+        assert r["step_ms"] > 0 and r["samples_per_s"] > 0 and r["bytes_per_step"] > 0
+        assert [p[1] for p in r["curve"]] == [0, 4, 8, 12, 12]  # evaluations, then the final one
+        assert 0 < r["final_quality"] < 1.0  # held-out cross-entropy of 2 classes, trained a little
+        if doc["network"]["emulated"]:
+            assert r["link_bytes_per_step"] > 0.9 * r["bytes_per_step"]
+    assert by_spec["ddp"]["speedup_vs_ddp"]["step"] == 1.0
+    assert by_spec["allreduce:autotune=true"]["autotune"]["chosen_mb"] == 25  # a tiny model: one bucket at every size
+    assert doc["target"]["source"].startswith("within 2%")
+    assert doc["recommendation"]["contender"] in ("ddp", "allreduce:autotune=true")
+    assert sorted(os.path.basename(p) for p in doc["plots"]) == ["bytes.png", "quality.png", "throughput.png"]
+    for p in doc["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(p) > 10_000
+
+
+def test_failing_contender_is_reported_and_the_bench_goes_on(small_bench):
+    _, out, doc = small_bench
+    failed = doc["contenders"][1]
+    assert failed["status"] == "failed"
+    assert "RuntimeError: nonblocking: parameter 'attn.out_proj.weight'" in failed["error"]
+    assert all(os.path.exists(log) for log in failed["logs"])
+    assert doc["contenders"][2]["status"] == "ok"  # the one after it ran
+
+
+def test_not_installed_peer_is_not_a_failure(monkeypatch):
+    monkeypatch.setattr(contenders.importlib.util, "find_spec", lambda name: None)
+    spec = contenders.parse("ppe_ddp")
+    assert contenders.unavailable(spec).startswith("not installed")
+    result = runner.run_contender(0, spec, runner.BenchConfig(), runner.BenchConfig().resolved(), None, "/nonexistent")
+    assert result["status"] == "not installed"
+
+
+@needs_netns
+def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
+    """Hierarchical allreduce on 2 nodes x 2 processes: only the leaders' allreduce crosses the links
+    (one ring between 2 nodes: the gradients once per node per step); the reduce and broadcast
+    inside each node stay on its loopback, or the links would carry twice as much."""
+    out = tmp_path / "b"
+    cwd = os.getcwd()
+    os.chdir(HERE)
+    try:
+        assert cli.main(["bench", "--model", "bench_factory:wide", "--contenders", "allreduce:hierarchical=true",
+                         "--nodes", "2", "--procs-per-node", "2", "--steps", "6", "--eval-every", "3", "--out", str(out)]) == 0
+    finally:
+        os.chdir(cwd)
+    with open(out / "bench.json") as f:
+        doc = json.load(f)
+    r = doc["contenders"][0]
+    assert r["status"] == "ok", r.get("error")
+    grads = 4 * r["params"]
+    assert 0.95 * grads < r["link_bytes_per_step"] < 1.2 * grads
