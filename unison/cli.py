@@ -22,6 +22,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type for counts that may be 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type for rates that must be above 0."""
     value = float(text)
@@ -49,6 +57,9 @@ def add_train_parser(subparsers) -> None:
     p.add_argument("--lr", type=positive_float, default=defaults.lr, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the split, the model and the shuffling")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="save DIR/checkpoint.pt and resume from it when it exists")
+    p.add_argument("--checkpoint-every", metavar="N", type=positive_int, default=None, help="checkpoint every N steps (None: at every epoch's end)")
+    p.add_argument("--max-restarts", metavar="N", type=non_negative_int, default=defaults.max_restarts, help="restart the workers up to N times after a failure (each resumes from the last checkpoint)")
     p.set_defaults(run=run_train)
 
 
@@ -79,6 +90,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     table.add_row("algorithm", summary["algorithm"])
     table.add_row("world size", str(summary["world_size"]))
     table.add_row("epochs", str(summary["epochs"]))
+    if summary.get("resumed_from_step") is not None:
+        table.add_row("resumed from step", f"{summary['resumed_from_step']} (restarts: {summary['restarts']})")
     Console().print(table)
 
 
@@ -88,6 +101,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     from .train import TrainConfig, launch
 
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        print("unison train: --checkpoint-every needs --checkpoint-dir", file=sys.stderr)
+        return 2
     config = TrainConfig(
         nproc=args.nproc,
         algorithm=args.algorithm,
@@ -95,6 +111,9 @@ def run_train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        max_restarts=args.max_restarts,
     )
     try:
         summary = launch(config)

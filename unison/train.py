@@ -4,14 +4,26 @@
 and returns rank 0's summary. ``worker(config)`` is what each process runs: it
 is a module-level function taking a plain dataclass so the launcher can pickle it.
 The data is scikit-learn's bundled copy of the digits, so nothing is downloaded.
+
+With ``checkpoint_dir`` the job saves ``DIR/checkpoint.pt`` (``unison.save``)
+every ``checkpoint_every`` steps (default: at every epoch's end) and at the
+end, and a worker resumes from it when it exists: after a crash, restarted by
+the launcher (``max_restarts``) or by hand, training goes on from the last
+checkpoint along the same trajectory.
+
+Testing aid: ``UNISON_TEST_KILL="RANK:STEP"`` makes rank RANK kill itself
+(SIGKILL) right after global step STEP, on the launcher's first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` is 0), so tests can crash a run for real.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,6 +52,16 @@ class TrainConfig:
     momentum: float = 0.9
     seed: int = 0
     test_fraction: float = 0.2
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None  # steps; None: at the end of every epoch
+    max_restarts: int = 0
+
+
+#: The file ``unison train`` keeps in its checkpoint directory (overwritten atomically).
+CHECKPOINT_FILE = "checkpoint.pt"
+
+#: Options a run resumed from a checkpoint must share with the run that wrote it.
+RESUME_MUST_MATCH = ("algorithm", "batch_size", "lr", "momentum", "seed", "test_fraction")
 
 
 @dataclass
@@ -91,12 +113,18 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct / len(y)
 
 
-def global_mean(total: float, count: int) -> float:
-    """``total / count`` summed over all ranks, so every rank reports the same epoch loss."""
+def epoch_sums(total: float, count: int) -> tuple[float, int]:
+    """``total`` and ``count`` summed over all ranks."""
     if dist.is_available() and dist.is_initialized():
         t = torch.tensor([total, float(count)], dtype=torch.float64)
         dist.all_reduce(t)
         total, count = t[0].item(), int(t[1].item())
+    return total, count
+
+
+def global_mean(total: float, count: int) -> float:
+    """``total / count`` summed over all ranks, so every rank reports the same epoch loss."""
+    total, count = epoch_sums(total, count)
     return total / max(count, 1)
 
 
@@ -130,8 +158,9 @@ class NoProgress:
         pass
 
 
-def train_epoch(model, loader, optimizer, loss_fn, bar, task, world_size: int) -> tuple[float, int]:
-    """One pass over this rank's shard; returns (summed loss, samples seen) on this rank."""
+def train_epoch(model, loader, optimizer, loss_fn, bar, task, world_size: int, after_step=None) -> tuple[float, int]:
+    """One pass over this rank's shard; returns (summed loss, samples seen) on this rank.
+    ``after_step(total, seen)`` runs after every optimizer step."""
     total, seen = 0.0, 0
     start = time.perf_counter()
     for x, y in loader:
@@ -143,7 +172,87 @@ def train_epoch(model, loader, optimizer, loss_fn, bar, task, world_size: int) -
         seen += len(y)
         rate = seen * world_size / max(time.perf_counter() - start, 1e-9)
         bar.update(task, advance=1, loss=total / seen, rate=rate)
+        if after_step is not None:
+            after_step(total, seen)
     return total, seen
+
+
+class Checkpoints:
+    """The run's position (epoch, global step) and its checkpoints in ``config.checkpoint_dir``.
+
+    A checkpoint taken mid-epoch also keeps the epoch's loss so far (summed over
+    ranks), so the resumed run reports the same epoch loss. Without a directory
+    it only counts steps.
+    """
+
+    def __init__(self, config: TrainConfig, rank: int, model, optimizer, sampler) -> None:
+        self.config, self.rank = config, rank
+        self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        self.path = os.path.join(config.checkpoint_dir, CHECKPOINT_FILE) if config.checkpoint_dir else None
+        self.epoch = self.step = 0
+        self.carried = (0.0, 0)  # this epoch's (loss sum, samples) from before the resume, on rank 0
+        self.last_loss = float("nan")  # the last finished epoch's mean loss
+        self.resumed_from: Optional[int] = None
+        self.kill_at = kill_step(rank)
+
+    def resume(self) -> None:
+        """Load the checkpoint if there is one: every rank, from the same file."""
+        if self.path is None:
+            return
+        state = unison.load(self.path, self.model, self.optimizer, self.sampler, missing_ok=True)
+        if state is None:
+            return
+        saved = state["extra"]["config"]
+        for key in RESUME_MUST_MATCH:
+            if saved[key] != getattr(self.config, key):
+                raise ValueError(
+                    f"{self.path} was written by a run with {key}={saved[key]!r}, but this one has {key}={getattr(self.config, key)!r}: "
+                    "give the same options to resume, or another --checkpoint-dir to start afresh"
+                )
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.resumed_from = self.step
+        self.last_loss = state["extra"]["last_loss"]
+        if self.rank == 0:
+            self.carried = tuple(state["extra"]["epoch_loss"])
+
+    def after_step(self, total: float, seen: int) -> None:
+        """Count the step; save every ``checkpoint_every`` steps (mid-epoch: the loss so far too)."""
+        self.step += 1
+        if self.step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        every = self.config.checkpoint_every
+        if every and self.step % every == 0:
+            self.save(self.epoch, epoch_sums(total + self.carried[0], seen + self.carried[1]))
+
+    def epoch_loss(self, total: float, seen: int) -> float:
+        """The finished epoch's mean loss over all ranks, counting what came before a resume."""
+        total, seen = epoch_sums(total + self.carried[0], seen + self.carried[1])
+        self.carried = (0.0, 0)
+        self.last_loss = total / max(seen, 1)
+        return self.last_loss
+
+    def save(self, epoch: int, epoch_loss: tuple[float, int] = (0.0, 0)) -> None:
+        if self.path is None:
+            return
+        extra = {
+            "config": {key: getattr(self.config, key) for key in RESUME_MUST_MATCH},
+            "epoch_loss": list(epoch_loss),
+            "last_loss": self.last_loss,
+        }
+        unison.save(self.path, self.model, self.optimizer, self.sampler, epoch=epoch, step=self.step, extra=extra)
+
+
+def kill_step(rank: int) -> Optional[int]:
+    """The step after which this rank kills itself, from ``UNISON_TEST_KILL="RANK:STEP"`` (a testing
+    aid), on the launcher's first attempt only; None otherwise."""
+    spec = os.environ.get("UNISON_TEST_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    try:
+        kill_rank, step = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"UNISON_TEST_KILL must be RANK:STEP (two integers), got {spec!r}") from None
+    return step if kill_rank == rank else None
 
 
 def worker(config: TrainConfig) -> Optional[dict[str, Any]]:
@@ -177,26 +286,31 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
     loader = unison.sharded_loader(data.train, batch_size=config.batch_size, seed=config.seed)
     loss_fn = nn.CrossEntropyLoss()
     is_main = topo.rank == 0
+    run = Checkpoints(config, topo.rank, model, optimizer, loader.sampler)
+    run.resume()
 
-    samples, epoch_loss = 0, float("nan")
+    samples = 0
     start = time.perf_counter()
     with progress_bar() if is_main else NoProgress() as bar:
-        for epoch in range(config.epochs):
-            loader.sampler.set_epoch(epoch)
+        for epoch in range(run.epoch, config.epochs):
+            run.epoch = epoch
+            loader.sampler.set_epoch(epoch)  # the resumed epoch goes on where the checkpoint left it
             task = bar.add_task(f"epoch {epoch + 1}/{config.epochs}", total=len(loader), loss=0.0, rate=0.0)
-            total, seen = train_epoch(model, loader, optimizer, loss_fn, bar, task, topo.world_size)
-            epoch_loss = global_mean(total, seen)
-            model.end_epoch(epoch_loss)
+            total, seen = train_epoch(model, loader, optimizer, loss_fn, bar, task, topo.world_size, run.after_step)
+            model.end_epoch(run.epoch_loss(total, seen))
             samples += seen * topo.world_size
+            if not config.checkpoint_every:
+                run.save(epoch + 1)
     model.average()  # every rank ends with the same model (model-averaging algorithms drift between syncs)
     train_time = time.perf_counter() - start
+    run.save(max(config.epochs, run.epoch))
 
     test_accuracy = accuracy(model, data.test_x, data.test_y)
     if not is_main:
         return None
     return {
         "test_accuracy": test_accuracy,
-        "final_loss": epoch_loss,
+        "final_loss": run.last_loss,
         "train_time_s": train_time,
         "samples_per_s": samples / train_time,
         "bytes_per_step": float(model.comm_stats["bytes_per_step"]),
@@ -206,6 +320,10 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
         "batch_size": config.batch_size,
         "lr": optimizer.param_groups[0]["lr"],
         "seed": config.seed,
+        "steps": run.step,
+        "resumed_from_step": run.resumed_from,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "checkpoint": run.path,
     }
 
 
@@ -216,12 +334,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def restartable(max_restarts: int):
+    """Let restarted workers start a fresh process group.
+
+    torch's c10d rendezvous shares one TCPStore across restarts, so the
+    restarted workers' gloo rendezvous reads the dead workers' addresses and
+    waits forever (pytorch/pytorch#135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives every attempt its own store.
+    """
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    previous = os.environ.get(key)
+    if max_restarts > 0:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 def launch(config: TrainConfig) -> dict[str, Any]:
     """Run ``worker`` on ``config.nproc`` local processes with torch's elastic launcher.
 
     Returns rank 0's summary with ``wall_time_s`` (the whole run, process start
     included) added. A failing worker raises torch's ChildFailedError, which
-    carries the worker's traceback.
+    carries the worker's traceback, once ``config.max_restarts`` restarts of
+    the whole group (each resuming from the last checkpoint) are spent.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -232,12 +373,13 @@ def launch(config: TrainConfig) -> dict[str, Any]:
         run_id=f"unison-train-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=config.max_restarts,
         start_method="spawn",
         local_addr="127.0.0.1",
     )
     start = time.perf_counter()
-    results = elastic_launch(launch_config, worker)(config)
+    with restartable(config.max_restarts):
+        results = elastic_launch(launch_config, worker)(config)
     wall_time = time.perf_counter() - start
     summary = results.get(0)
     if summary is None:
