@@ -153,6 +153,10 @@ def test_load_errors_are_clear(tmp_path):
         unison.save(good, net, extra={"f": len})
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         unison.save(good, net, "sgd")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(RuntimeError, match="was not saved: rank 0 could not write"):
+        unison.save(blocker / "c.pt", net)
 
 
 def test_algorithm_mismatch_says_how_to_proceed(tmp_path):

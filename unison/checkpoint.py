@@ -280,7 +280,10 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        out = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
+            out._metadata = obj._metadata
+        return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
