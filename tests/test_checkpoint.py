@@ -5,18 +5,16 @@ this process, a world of one with no process group.
 """
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import launch
 import unison
@@ -76,7 +74,6 @@ def train(model, opt, loader, epoch=0, step=0, save_at=None, path=None) -> None:
 
 
 def resume_matches_straight_run(path: str) -> dict:
-    rank = dist.get_rank()
     out = {}
     for spec in ALGORITHMS:
         model, opt, loader = build(spec, seed=0)
