@@ -196,6 +196,26 @@ def _build_groups(topo: Topology) -> None:
     topo.inter_node_groups = all_inter
 
 
+def _attempt_store(timeout: Optional[datetime.timedelta]):
+    """Under torchrun's shared rendezvous store, a store private to this restart attempt.
+
+    torchrun keeps one store across restarts; a group started on it again reads
+    the dead workers' keys and its gloo rendezvous waits forever
+    (pytorch/pytorch#135712). Prefixing the keys with the attempt number gives
+    each attempt a clean slate. None when not under torchrun's agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout or DEFAULT_TIMEOUT,
+        use_libuv=True,
+    )
+    return dist.PrefixStore(f"unison/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", client)
+
+
 def init(
     backend: Optional[str] = None,
     timeout: Optional[float | datetime.timedelta] = None,
@@ -248,7 +268,11 @@ def init(
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
+        store = _attempt_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
 
     local_rank, local_world = _apply_simulated_nodes(rank, world, local_rank, local_world, nodes)
     if world % local_world:

@@ -23,7 +23,6 @@ import signal
 import socket
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -334,28 +333,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def restartable(max_restarts: int):
-    """Let restarted workers start a fresh process group.
-
-    torch's c10d rendezvous shares one TCPStore across restarts, so the
-    restarted workers' gloo rendezvous reads the dead workers' addresses and
-    waits forever (pytorch/pytorch#135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    gives every attempt its own store.
-    """
-    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    previous = os.environ.get(key)
-    if max_restarts > 0:
-        os.environ[key] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
-
-
 def launch(config: TrainConfig) -> dict[str, Any]:
     """Run ``worker`` on ``config.nproc`` local processes with torch's elastic launcher.
 
@@ -378,8 +355,7 @@ def launch(config: TrainConfig) -> dict[str, Any]:
         local_addr="127.0.0.1",
     )
     start = time.perf_counter()
-    with restartable(config.max_restarts):
-        results = elastic_launch(launch_config, worker)(config)
+    results = elastic_launch(launch_config, worker)(config)
     wall_time = time.perf_counter() - start
     summary = results.get(0)
     if summary is None:

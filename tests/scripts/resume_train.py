@@ -1,6 +1,6 @@
 """A training script that checkpoints and resumes, as the README shows; run by tests/test_restart.py.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
         tests/scripts/resume_train.py CKPT OUT [KILL_STEP]
 
 With KILL_STEP, rank 1 leaves with ``os._exit(1)`` right after that global step
