@@ -66,11 +66,14 @@ def test_every_rank_keeps_the_same_size(results):
     r0, r1 = results
     assert r0["tuning"] is not None and r1["tuning"] is not None
     assert sorted(r0["tuning"]["step_ms"]) == [1, 10, 25]  # 4 and 64 bucket like 1 and 25: not measured again
-    assert r0["chosen"] == r1["chosen"] == 10
-    assert r0["cap"] == r1["cap"] == 10 * MB
+    # The agreed means decide: the fastest of them (10 MiB unless the machine's own noise
+    # outweighs the sleeps, so the size itself is not asserted: timing is not for tests).
+    fastest = min(r0["tuning"]["step_ms"], key=r0["tuning"]["step_ms"].get)
+    assert r0["chosen"] == r1["chosen"] == fastest
+    assert r0["cap"] == r1["cap"] == fastest * MB
     assert r0["buckets"] == r1["buckets"]
     assert r0["tuning"]["step_ms"] == r1["tuning"]["step_ms"]  # the agreed means
-    assert r0["gain"] == r1["gain"] > 1.0
+    assert r0["gain"] == r1["gain"] >= 1.0  # relative to the default 25 MiB
     assert r0["hier_tuning"]["chosen_mb"] == r1["hier_tuning"]["chosen_mb"]
 
 
