@@ -94,14 +94,15 @@ def load(name: Optional[str], seed: int = 0, model_spec: Optional[str] = None) -
     return {"digits": _digits, "charlm": _charlm, "mlp": _mlp}[name](seed, settings)
 
 
-def make_optimizer(workload: Workload, params, lr: Optional[float] = None, algorithm: Optional[str] = None, warmup_steps: int = 20):
-    """The workload's optimizer; "qadam" runs only with unison's QAdamOptimizer (Adam, its own step size for SGD workloads)."""
+def make_optimizer(workload: Workload, params, lr: Optional[float] = None, algorithm: Optional[str] = None):
+    """The workload's optimizer; "qadam" runs only with unison's QAdamOptimizer (with its default
+    warm-up; Adam's step size 0.003 for workloads trained with SGD, as ``unison train`` does)."""
     s = workload.settings
     lr = s.lr if lr is None else lr
     if algorithm == "qadam":
         import unison
 
-        return unison.QAdamOptimizer(params, lr=lr if s.optimizer == "adamw" else 0.003, warmup_steps=warmup_steps)
+        return unison.QAdamOptimizer(params, lr=lr if s.optimizer == "adamw" else 0.003)
     if s.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
