@@ -90,7 +90,7 @@ merge is skipped on every rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
@@ -459,19 +459,51 @@ class DASO(Algorithm):
         self._anchor = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, batch counters, skips, rotation and plateau tracking (no communication)."""
-        return {key: getattr(self, key) for key in _STATE_KEYS}
+        """Epoch, batch counters, skips, rotation, plateau tracking, and the sync in flight
+        with its reference weights, so a resumed run merges it at the same batch.
+
+        No new communication: a sync in flight is waited for (every peer launched
+        it already) and kept, received but not yet merged.
+        """
+        state = {key: getattr(self, key) for key in _STATE_KEYS}
+        inflight = None
+        if self._inflight is not None:
+            pending, relative = self._inflight
+            values = [v.clone() for v in pending.wait()]
+            self._inflight = (_Received(values), relative)
+            inflight = {"values": values, "relative": relative}
+        state["inflight"] = inflight
+        state["pending_sync"] = None if self.pending_sync is None else asdict(self.pending_sync)
+        state["anchor"] = None if self._anchor is None else [a.clone() for a in self._anchor]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the schedule; a sync in flight is dropped and the next one re-establishes the reference."""
+        """Restore the schedule and the sync in flight (a state without one re-establishes
+        the reference weights at the next sync)."""
         missing = sorted(set(_STATE_KEYS) - set(state))
         if missing:
             raise ValueError(f"daso state is missing {missing}")
         self._drop_inflight()
-        self._anchor = None
         self._counter.pending.clear()
         for key in _STATE_KEYS:
             setattr(self, key, float(state[key]) if key == "plateau_best" else int(state[key]))
+        anchor, inflight, pending = state.get("anchor"), state.get("inflight"), state.get("pending_sync")
+        self._anchor = None if anchor is None else [a.clone() for a in anchor]
+        self._inflight = None if inflight is None else (_Received([v.clone() for v in inflight["values"]]), bool(inflight["relative"]))
+        self.pending_sync = None if pending is None else PendingSync(**pending)
+
+
+class _Received:
+    """A sync already received (kept by a checkpoint): ``wait()`` gives its values at once."""
+
+    def __init__(self, values: list[torch.Tensor]):
+        self._values = values
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._values
 
 
 def wire_dtype(value) -> Optional[torch.dtype]:
