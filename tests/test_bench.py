@@ -249,7 +249,7 @@ def test_bench_writes_json_and_plots(small_bench):
     assert by_spec["allreduce:autotune=true"]["autotune"]["chosen_mb"] == 25  # a tiny model: one bucket at every size
     assert doc["target"]["source"].startswith("within 2%")
     assert doc["recommendation"]["contender"] in ("ddp", "allreduce:autotune=true")
-    assert sorted(os.path.basename(p) for p in doc["plots"]) == ["bytes.png", "quality.png", "throughput.png"]
+    assert sorted(os.path.basename(p) for p in doc["plots"]) == ["bytes.png", "quality.png", "throughput.png", "time_to_target.png"]
     for p in doc["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -186,7 +186,12 @@ def _plain(x):
 
 # ---- plots ---------------------------------------------------------------------
 def write_plots(report: dict, out_dir: str) -> list[str]:
-    """quality.png (quality against training time, target line), throughput.png and bytes.png; returns the paths."""
+    """The PNGs of a report, in ``out_dir``; returns their paths.
+
+    quality.png: quality against training time (log scale, so fast and slow
+    contenders both show), zoomed on the target, a star where each contender
+    first reached it. time_to_target.png, throughput.png and bytes.png: bars.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,27 +201,14 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     ok = [r for r in report["contenders"] if r.get("status") == "ok"]
     if not ok:
         return []
-    target = report["target"]
     title = f"{report['workload']['name']}, {report['network']['summary']}"
-    paths = []
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    if len(ok) > 10:
-        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
-    for r in ok:
-        t = [p[0] for p in r["curve"]]
-        q = [p[2] for p in r["curve"]]
-        width = 2.4 if r["spec"] == BASELINE else 1.4
-        ax.plot(t, q, marker=".", linewidth=width, label=r["label"], color="black" if r["spec"] == BASELINE else None)
-    if target["value"] is not None:
-        ax.axhline(target["value"], color="grey", linestyle="--", linewidth=1, label=f"target {_fmt_q(target['value'])}")
-    ax.set_xlabel("training time (s, evaluation excluded)")
-    ax.set_ylabel(target["metric"])
-    ax.set_title(f"{target['metric']} against training time: {title}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    paths.append(_save(fig, os.path.join(out_dir, "quality.png")))
-
+    paths = [_quality_plot(ok, report["target"], title, os.path.join(out_dir, "quality.png"))]
+    reached_it = sorted((r for r in ok if r.get("time_to_target_s") is not None), key=lambda r: r["time_to_target_s"])
+    if reached_it:
+        target = report["target"]
+        paths.append(_bars([r["label"] for r in reached_it], [r["time_to_target_s"] for r in reached_it],
+                           f"training seconds to {target['metric']} {_fmt_q(target['value'])} (shorter is better)",
+                           f"time to target: {title}", os.path.join(out_dir, "time_to_target.png"), reached_it))
     paths.append(_bars([r["label"] for r in ok], [r["samples_per_s"] for r in ok], "samples/s (all ranks)",
                        f"throughput: {title}", os.path.join(out_dir, "throughput.png"), ok))
     linked = all(r.get("link_bytes_per_step") is not None for r in ok)
@@ -226,6 +218,39 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
                        os.path.join(out_dir, "bytes.png"), ok, log=True))
     plt.close("all")
     return paths
+
+
+def _quality_plot(ok: list[dict], target: dict, title: str, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    if len(ok) > 10:
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+    for r in ok:
+        points = [p for p in r["curve"] if p[0] > 0 and _finite(p[2])]  # log time axis: the start is left out
+        baseline = r["spec"] == BASELINE
+        (line,) = ax.plot([p[0] for p in points], [p[2] for p in points], marker=".", markersize=4,
+                          linewidth=2.6 if baseline else 1.3, label=r["label"], color="black" if baseline else None,
+                          zorder=3 if baseline else 2)
+        hit = r.get("time_to_target_s")
+        if hit:
+            q = next(p[2] for p in r["curve"] if p[0] == hit)
+            ax.plot([hit], [q], marker="*", markersize=13, color=line.get_color(), markeredgecolor="black", zorder=4)
+    ax.set_xscale("log")
+    value, higher = target["value"], target["higher_is_better"]
+    if value is not None:
+        ax.axhline(value, color="grey", linestyle="--", linewidth=1, label=f"target {_fmt_q(value)}")
+        finals = [r["final_quality"] for r in ok if _finite(r.get("final_quality"))]
+        best = max(finals) if higher else min(finals)
+        margin = 4 * max(abs(best - value), 1e-3 * abs(value) or 1e-3)
+        lo, hi = (value - margin, best + margin / 4) if higher else (best - margin / 4, value + margin)
+        ax.set_ylim(lo, hi)
+    ax.set_xlabel("training time, s (log scale; evaluations excluded); star: target first reached")
+    ax.set_ylabel(target["metric"] + (" (higher is better)" if higher else " (lower is better)"))
+    ax.set_title(f"{target['metric']} against training time\n{title}", fontsize=11)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(fig, path)
 
 
 def _bars(labels, values, xlabel, title, path, results, log=False) -> str:
@@ -241,7 +266,7 @@ def _bars(labels, values, xlabel, title, path, results, log=False) -> str:
     for y, v in enumerate(values):
         ax.text(shown[y], y, f" {v:,.3g}", va="center", fontsize=8)
     ax.set_xlabel(xlabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
 
