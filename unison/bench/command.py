@@ -15,21 +15,8 @@ from typing import Optional
 
 from rich.markup import escape
 
+from ..cli import positive_float, positive_int
 from . import contenders, netem, report, runner, workloads
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def _checked(parse):
@@ -68,20 +55,20 @@ def add_parser(subparsers) -> None:
                      help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited'")
     net.add_argument("--latency", type=_checked(netem.parse_delay), default="2ms",
                      help="one-way delay between nodes (500us, 2ms) or 0")
-    net.add_argument("--nodes", type=_count, default=2, help="emulated machines")
-    net.add_argument("--procs-per-node", type=_count, default=1, help="processes per machine (they share its loopback)")
+    net.add_argument("--nodes", type=positive_int, default=2, help="emulated machines")
+    net.add_argument("--procs-per-node", type=positive_int, default=1, help="processes per machine (they share its loopback)")
     net.add_argument("--no-emulation", action="store_true", help="run on plain loopback even as root")
     net.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, and exit")
     how = p.add_argument_group("how long and how judged (defaults depend on the workload)")
-    how.add_argument("--steps", type=_count, default=None, help="training steps per contender")
-    how.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS", help="training seconds per contender")
+    how.add_argument("--steps", type=positive_int, default=None, help="training steps per contender")
+    how.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS", help="training seconds per contender")
     how.add_argument("--target", type=float, default=None, help="target quality (accuracy as a fraction, or a loss)")
-    how.add_argument("--eval-every", type=_count, default=None, help="steps between evaluations")
-    how.add_argument("--batch-size", type=_count, default=None, help="samples per step on each rank")
-    how.add_argument("--lr", type=_seconds, default=None, help="learning rate")
+    how.add_argument("--eval-every", type=positive_int, default=None, help="steps between evaluations")
+    how.add_argument("--batch-size", type=positive_int, default=None, help="samples per step on each rank")
+    how.add_argument("--lr", type=positive_float, default=None, help="learning rate")
     how.add_argument("--seed", type=int, default=0, help="seed of the data split and the model")
     how.add_argument("--quick", action="store_true", help="5 contenders, short runs: a few minutes at most")
-    how.add_argument("--contender-timeout", type=_seconds, default=None, metavar="SECONDS",
+    how.add_argument("--contender-timeout", type=positive_float, default=None, metavar="SECONDS",
                      help="fail a contender that runs longer (default: 180 + 3 x the time budget)")
     out = p.add_argument_group("output")
     out.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the plots, JSON and logs")
