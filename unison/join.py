@@ -110,6 +110,7 @@ class Join:
         """Everybody takes the parameters and buffers of the rank with the most events."""
         model = self.model
         model.flush()
+        model.algorithm.average(model)  # quiesce: async's thread stops after a common round, syncs in flight land
         t = torch.tensor([self.events * model.world_size + (model.world_size - 1 - model.rank)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         source = model.world_size - 1 - int(t.item()) % model.world_size
