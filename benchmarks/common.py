@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import torch
 from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from unison.train import free_port
 
 
 def mlp() -> nn.Module:
@@ -32,12 +33,6 @@ WORKLOADS = {
     "mlp": (mlp, lambda g, n: torch.randn(n, 1024, generator=g)),
     "cnn": (cnn, lambda g, n: torch.randn(n, 3, 32, 32, generator=g)),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(fn, nproc: int, *args) -> dict:

@@ -7,7 +7,6 @@ starts in well under a second; several checks share one group.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -16,11 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from unison.train import free_port
 
 
 def _worker(rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .data import ShardSampler
+from .data import _group_rank_and_size as _rank_and_size
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 
@@ -77,7 +78,7 @@ def save(
     path = os.fspath(path)
     optimizers = _optimizer_list(optimizer)
     _check_plain(extra, "extra")
-    rank, world = _rank_and_world()
+    rank, world = _rank_and_size(None)
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
     per_rank = world > 1 and ((algorithm is not None and algorithm.replicas_drift) or any(isinstance(o, DistributedOptimizer) for o in optimizers))
 
@@ -149,7 +150,7 @@ def load(
     """
     path = os.fspath(path)
     optimizers = _optimizer_list(optimizer)
-    rank, world = _rank_and_world()
+    rank, world = _rank_and_size(None)
     checkpoint: Optional[dict] = None
     try:
         checkpoint = _read(path)
@@ -231,17 +232,11 @@ def _optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
     return optimizers
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _rank_entry(model: nn.Module, optimizers, algorithm, with_weights: bool) -> dict[str, Any]:
     """This rank's part of the checkpoint (tensors moved to the CPU)."""
     module = model.module if isinstance(model, DataParallel) else model
     entry: dict[str, Any] = {"rng": _get_rng(), "algorithm": None if algorithm is None else algorithm.state_dict()}
-    if with_weights or _rank_and_world()[0] == 0:
+    if with_weights or _rank_and_size(None)[0] == 0:
         entry["model"] = module.state_dict()
         entry["optimizers"] = [opt.state_dict() for opt in optimizers]
     return _to_cpu(entry)

@@ -97,11 +97,12 @@ BroadcastFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], No
 
 
 class AsyncBroadcast:
-    """A coalesced broadcast started now and written back by ``finish()``."""
+    """A coalesced broadcast from group rank ``source`` (default the first), started now
+    and written back by ``finish()``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]):
+    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], source: int = 0):
         self._parts = []
-        src = src_rank(group)
+        src = src_rank(group, source)
         for chunk in _chunks(tensors, 25 * MB):
             flat = flatten(chunk)
             self._parts.append((chunk, flat, start(dist.broadcast, flat, src=src, group=group)))

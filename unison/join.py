@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .comm import private_group, src_rank
+from .comm import AsyncBroadcast, private_group
 
 if TYPE_CHECKING:
     from .parallel import DataParallel
@@ -114,10 +114,9 @@ class Join:
         t = torch.tensor([self.events * model.world_size + (model.world_size - 1 - model.rank)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         source = model.world_size - 1 - int(t.item()) % model.world_size
-        tensors = [p for p in model.module.parameters()] + [b for b in model.module.buffers()]
+        tensors = list(model.module.parameters()) + list(model.module.buffers())
         with torch.no_grad():
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=src_rank(model.process_group, source), group=self.group)
+            AsyncBroadcast(tensors, self.group, source).finish()
 
     # ---- plumbing ---------------------------------------------------------
     def _exchange(self, active: int, code: int, joined: int) -> tuple[int, int, int]:

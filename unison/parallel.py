@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
-from . import health
+from . import health, nonfinite as nonfinite_
 from .join import STEP, Join, forward_code
 from .buckets import MB
 from .averaging import average_optimizer_states
@@ -122,7 +122,7 @@ class DataParallel(nn.Module):
             warnings.warn(f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here", stacklevel=2)
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-        if nonfinite not in (None, "raise", "skip"):
+        if nonfinite not in nonfinite_.MODES:
             raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
         if debug is None:
             debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
@@ -390,19 +390,14 @@ class DataParallel(nn.Module):
                 if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                     bad = i
                     break
-        code = torch.tensor([0 if bad is None else (self.world_size - self.rank) * (n + 1) + (n - bad)], dtype=torch.int64)
+        code = torch.tensor([nonfinite_.encode(bad, self.rank, self.world_size, n)], dtype=torch.int64)
         dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self._step_group)
-        value = int(code.item())
-        if not value:
+        if not code.item():
             return
-        rank, name = self.world_size - value // (n + 1), self._trainable[n - value % (n + 1)][0]
+        rank, index = nonfinite_.decode(int(code.item()), self.world_size, n)
         if self.nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite gradient (nan or inf) on rank {rank} in parameter {name!r}. "
-                "Use DataParallel(..., nonfinite='skip') to skip such steps on every rank instead."
-            )
-        for _, p in self._trainable:  # torch's optimizers leave parameters without a gradient untouched
-            p.grad = None
+            raise nonfinite_.error(rank, self._trainable[index][0])
+        nonfinite_.drop_gradients(p for _, p in self._trainable)
         self._skipped_local += 1
 
     @health.translated("the algorithm's step")

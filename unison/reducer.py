@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from . import buckets as bucketing
-from . import comm, health
+from . import comm, health, nonfinite
 from .comm import src_rank, start
 
 
@@ -282,14 +282,10 @@ class GradReducer:
         self._bytes += self.algorithm.bucket_wire_bytes(bucket, self.world)
         self._handles.append((bucket, handle))
 
+    @health.translated("the gradient reduction of backward")
     def _finalize(self) -> None:
         try:
             self._finish_backward()
-        except Exception as exc:
-            failure = health.explain(exc, "the gradient reduction of backward")
-            if failure is exc:
-                raise
-            raise failure from exc
         finally:
             self._in_pass = self._active = False
 
@@ -367,7 +363,7 @@ class GradReducer:
         if self.nonfinite is None:
             return torch.tensor(has, dtype=torch.uint8, device=self.device)
         n = len(self.params)
-        code = 0 if self._bad is None else (self.world - self._rank) * (n + 1) + (n - self._bad)
+        code = nonfinite.encode(self._bad, self._rank, self.world, n)
         return torch.tensor((has if self.negotiate else [True] * n) + [code], dtype=torch.int64, device=self.device)
 
     def _settle_flags(self) -> Optional[tuple[int, str]]:
@@ -381,7 +377,8 @@ class GradReducer:
             if self.nonfinite is not None:
                 code = used_anywhere.pop()
                 if code:
-                    bad = (self.world - code // (n + 1), self.names[n - code % (n + 1)])
+                    rank, index = nonfinite.decode(code, self.world, n)
+                    bad = (rank, self.names[index])
         if self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
             used_anywhere = [True] * n
         for i, local in enumerate(self._has):
@@ -395,12 +392,8 @@ class GradReducer:
         """Every rank learns of the same bad gradient at once: raise, or skip the step."""
         if self.nonfinite == "raise":
             self.complete()  # leave nothing in flight
-            raise FloatingPointError(
-                f"non-finite gradient (nan or inf) on rank {rank} in parameter {name!r}; it was not sent to the "
-                "other ranks. Use DataParallel(..., nonfinite='skip') to skip such steps on every rank instead."
-            )
-        for p in self.params:  # torch's optimizers leave parameters without a gradient untouched
-            p.grad = None
+            raise nonfinite.error(rank, name)
+        nonfinite.drop_gradients(self.params)
         self.skipped_steps += 1
 
     def _replan(self, arrival: list[int]) -> None:

@@ -15,13 +15,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+from ..train import free_port
 from . import contenders, netem, workloads
 
 
@@ -72,12 +72,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
@@ -239,7 +233,7 @@ def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: d
     cfg_path = prefix + "-config.json"
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=1)
-    port = 29500 + index if net else _free_port()
+    port = 29500 + index if net else free_port()
     start = time.perf_counter()
     group = launch(os.path.abspath(cfg_path), world, config.procs_per_node, net, prefix, port)
     error = wait(group, contender_timeout(config, run), cfg["heartbeat_path"])
