@@ -44,26 +44,25 @@ class NetworkError(RuntimeError):
     """The emulated network could not be built (the message says why)."""
 
 
-def parse_rate(text: str) -> Optional[float]:
-    """Bits per second of a tc-style rate (``"1gbit"``, ``"100mbit"``, ``"50mbps"``); None for no limit."""
+def _quantity(text: str, units: dict[str, float], refusal: str) -> Optional[float]:
+    """A number with one of ``units`` (tc syntax), scaled; None for no limit; ValueError(refusal) otherwise."""
     text = str(text).strip().lower()
     if text in _NO_LIMIT:
         return None
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text)
-    if not match or match.group(2) not in _RATE_UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r} is not a rate such as 1gbit, 100mbit, 10gbit or 50mbps (or 'unlimited')")
-    return float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
+        raise ValueError(refusal.format(text=text))
+    return float(match.group(1)) * units[match.group(2)]
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """Bits per second of a tc-style rate (``"1gbit"``, ``"100mbit"``, ``"50mbps"``); None for no limit."""
+    return _quantity(text, _RATE_UNITS, "bandwidth {text!r} is not a rate such as 1gbit, 100mbit, 10gbit or 50mbps (or 'unlimited')")
 
 
 def parse_delay(text: str) -> Optional[float]:
     """Seconds of a tc-style time (``"2ms"``, ``"500us"``, ``"0.1s"``); None for no delay."""
-    text = str(text).strip().lower()
-    if text in _NO_LIMIT:
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text)
-    if not match or match.group(2) not in _TIME_UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"latency {text!r} is not a time such as 2ms, 500us or 0.1s (or 0)")
-    return float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    return _quantity(text, _TIME_UNITS, "latency {text!r} is not a time such as 2ms, 500us or 0.1s (or 0)")
 
 
 def unavailable_reason() -> Optional[str]:
