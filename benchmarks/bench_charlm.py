@@ -1,7 +1,7 @@
 """Validation loss of a character-level transformer per algorithm, against "allreduce".
 
 Two gloo ranks (one thread each) train the same small causal transformer
-(``unison.workloads.charlm``) from the same seed on the same sharded windows
+(``unison.apps.workloads.charlm``) from the same seed on the same sharded windows
 of the Python standard library's source, for the same number of epochs, with
 AdamW (``unison.QAdamOptimizer`` with the same lr for "qadam"); every
 algorithm keeps its default options. The learning rate, 1e-2 constant, is
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import unison
 from common import launch
-from unison.workloads import charlm
+from unison.apps.workloads import charlm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_AVERAGING = ["local_sgd", "daso", "decentralized", "low_precision_decentralized", "async", "diloco"]

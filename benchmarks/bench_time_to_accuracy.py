@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
 from common import launch
-from unison.train import load_data
+from unison.apps.workloads.digits import load_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = "ddp,allreduce,fp16,bytegrad,powersgd,local_sgd,decentralized,low_precision_decentralized,async,diloco,daso"

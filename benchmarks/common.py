@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from unison.train import free_port
+from unison.runtime import free_port
 
 
 def mlp() -> nn.Module:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from unison.train import free_port
+from unison.runtime import free_port
 
 
 def _worker(rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float) -> None:

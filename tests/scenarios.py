@@ -284,11 +284,11 @@ def custom_functions():
 
     def reduce_fn(tensors, group):
         calls["reduce"] += 1
-        unison.comm.default_reduce(tensors, group)
+        unison.engine.averaging.default_reduce(tensors, group)
 
     def broadcast_fn(tensors, group):
         calls["broadcast"] += 1
-        unison.comm.default_broadcast(tensors, group)
+        unison.engine.comm.default_broadcast(tensors, group)
 
     out = side_by_side(BNNet, data=image_batch, unison_kwargs={"reduce_function": reduce_fn, "broadcast_function": broadcast_fn})
     out["calls"] = calls

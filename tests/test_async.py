@@ -14,7 +14,7 @@ import launch
 import unison
 from models import MLP, batch
 from scenarios import spread_across_ranks
-from unison.algorithms import async_average
+from unison.algorithms import async_ as async_average
 
 #: A check that waits for something polls until this many seconds have passed.
 DEADLINE_S = 20.0

@@ -12,7 +12,7 @@ import launch
 import unison
 from models import MLP, batch
 from scenarios import max_diff
-from unison.buckets import MB
+from unison.engine.buckets import MB
 
 STEPS = 18  # 2 warm-up + 3 distinct sizes x (1 settle + 3 timed) = 14 to choose, then 4 more
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from unison import cli
-from unison.bench import contenders, netem, report, runner, workloads
+from unison.apps import cli
+from unison.apps.bench import contenders, netem, report, runner, workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None,

@@ -16,7 +16,7 @@ import unison
 from models import MLP, batch
 from scenarios import mse_loss, spread_across_ranks
 from unison.algorithms.bytegrad import ByteGrad
-from unison.compress import dequantize_minmax, minmax_bytes, quantize_minmax
+from unison.engine.codecs import dequantize_minmax, minmax_bytes, quantize_minmax
 
 STEPS = 5
 # Largest relative difference allowed between bytegrad's and allreduce's parameter

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import launch
 import unison
 from scenarios import spread_across_ranks
-from unison.workloads import charlm
+from unison.apps.workloads import charlm
 
 CONTEXT = 32
 TEXT_BYTES = 200_000

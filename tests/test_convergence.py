@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import launch
 import unison
-from unison import train
+from unison.apps import train
 
 
 def train_each(names):

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import launch
 import unison
-from unison.train import QADAM_LR
+from unison.apps.train import QADAM_LR
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
 

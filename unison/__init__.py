@@ -7,12 +7,12 @@ with a choice of how the replicas agree.
 """
 
 from . import algorithms
+from .algorithms.qadam_optimizer import QAdamOptimizer
 from .checkpoint import load, save
 from .data import ShardSampler, sharded_loader
-from .health import RankFailure
-from .optim import DistributedOptimizer, QAdamOptimizer
+from .optim import DistributedOptimizer
 from .parallel import DataParallel
-from .runtime import Topology, detect_launch, init, shutdown, topology
+from .runtime import RankFailure, Topology, detect_launch, init, shutdown, topology
 
 __version__ = "0.1.0"
 

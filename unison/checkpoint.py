@@ -235,7 +235,7 @@ def _optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
 def _rank_entry(model: nn.Module, optimizers, algorithm, with_weights: bool) -> dict[str, Any]:
     """This rank's part of the checkpoint (tensors moved to the CPU)."""
     module = model.module if isinstance(model, DataParallel) else model
-    entry: dict[str, Any] = {"rng": _get_rng(), "algorithm": None if algorithm is None else algorithm.state_dict()}
+    entry: dict[str, Any] = {"rng": _get_rng(), "algorithm": None if algorithm is None else model._events.state_dict()}
     if with_weights or _rank_and_size(None)[0] == 0:
         entry["model"] = module.state_dict()
         entry["optimizers"] = [opt.state_dict() for opt in optimizers]

@@ -14,24 +14,20 @@ semantics). Gradient averages keep dividing by the full world size unless
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from .comm import AsyncBroadcast, private_group
-
-if TYPE_CHECKING:
-    from .parallel import DataParallel
+from .engine.comm import AsyncBroadcast
+from .runtime import private_group
 
 # Event codes: a forward is 1 + grad + 2*sync (1..4); optimizer i's step is STEP + i.
 STEP = 8
 
 
 class Join:
-    """The context manager ``DataParallel.join()`` returns."""
+    """The context manager ``DataParallel.join()`` returns (``model`` is that DataParallel)."""
 
-    def __init__(self, model: "DataParallel", divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
+    def __init__(self, model, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
         self.model = model
         self.enable = enable and model.process_group is not None and model.world_size > 1
         self.divide = divide_by_initial_world_size
@@ -56,7 +52,7 @@ class Join:
         finally:
             self.model._join = None
             if self.model._reducer is not None:
-                self.model._reducer.scale_world = None
+                self.model._reducer.set_divisor(None)
         return False
 
     # ---- the ranks still training ---------------------------------------
@@ -98,8 +94,8 @@ class Join:
             model._after_step(model.optimizers[index], shadow=True)
             return
         grad, sync = bool((code - 1) & 1), bool((code - 1) & 2)
-        model.algorithm.before_forward(model)
-        model.algorithm.after_forward(model, None)
+        model._events.before_forward()
+        model._events.after_forward(None)
         if grad and model._reducer is not None:
             with torch.no_grad():
                 for _, p in model._trainable:
@@ -110,7 +106,7 @@ class Join:
         """Everybody takes the parameters and buffers of the rank with the most events."""
         model = self.model
         model.flush()
-        model.algorithm.average(model)  # quiesce: async's thread stops after a common round, syncs in flight land
+        model._events.average()  # quiesce: async's thread stops after a common round, syncs in flight land
         t = torch.tensor([self.events * model.world_size + (model.world_size - 1 - model.rank)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         source = model.world_size - 1 - int(t.item()) % model.world_size
@@ -128,7 +124,7 @@ class Join:
     def _set_scale(self, active: int) -> None:
         reducer = self.model._reducer
         if reducer is not None:
-            reducer.scale_world = None if self.divide else active
+            reducer.set_divisor(None if self.divide else active)
 
 
 def forward_code(grad: bool, sync: bool) -> int:

@@ -1,30 +1,29 @@
-"""Optimizer-side data parallelism and the optimizer of the "qadam" algorithm.
+"""Optimizer-side data parallelism: ``DistributedOptimizer``.
 
-``DistributedOptimizer`` wraps a torch optimizer instead of the model (as
-Horovod's DistributedOptimizer and HeAT's DataParallelOptimizer do): gradients
-of the optimizer's parameters are averaged during backward by the same engine
-as ``DataParallel`` (``unison.reducer.GradReducer``), with any gradient
-algorithm, and ``step()`` steps the wrapped optimizer.
-
-``QAdamOptimizer`` is Adam whose variance is frozen after a warm-up. With the
-"qadam" algorithm (``unison.algorithms.qadam``) the gradients it receives after
-the warm-up are already the momentum, averaged across ranks in 8 bits.
+It wraps a torch optimizer instead of the model (as Horovod's
+DistributedOptimizer and HeAT's DataParallelOptimizer do): gradients of the
+optimizer's parameters are averaged during backward by the same engine as
+``DataParallel`` (``unison.engine.reducer.GradReducer``), with any gradient
+algorithm, and ``step()`` steps the wrapped optimizer. Like DataParallel it
+builds a ``Replica`` for the algorithm and fires its events through a ``Dispatcher``.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import algorithms as algos
-from .buckets import MB
-from .comm import check_same_everywhere, default_broadcast
+from .algorithms.qadam_optimizer import QAdamOptimizer
+from .engine.buckets import MB
+from .engine.comm import check_same_everywhere, default_broadcast
+from .engine.reducer import GradReducer
+from .events import Dispatcher
 from .parallel import ALGORITHM_KEY
-from .reducer import GradReducer
+from .replica import Replica
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
@@ -85,7 +84,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = steps
         self.bucket_cap_mb = bucket_cap_mb
         self.algorithm = algos.resolve(algorithm)
-        if not self.algorithm.reduces_gradients or getattr(self.algorithm, "defers_completion", False):
+        if not self.algorithm.reduces_gradients or self.algorithm.defers_completion:
             raise ValueError(
                 f"algorithm {self.algorithm.name!r} needs the model's forward (it does not finish averaging gradients "
                 "within backward), so DistributedOptimizer cannot run it; wrap the model with unison.DataParallel instead"
@@ -93,14 +92,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = _name_map(named_parameters)
         self._passes = 0  # backward passes since the last averaged one
         self._reducer: Optional[GradReducer] = None
-        self.module = None
         self.optimizers = [optimizer]
         self.serial = f"optimizer-{next(_serials)}"
         self.process_group, self.world_size, self.rank = _membership(process_group)
-        self._connect(self._named_params())
-        optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self.algorithm.after_step(self, opt))
-        self.algorithm.setup(self)
+        named = self._named_params()
+        self._connect(named)
+        self._replica = Replica(named, [], self.optimizers, self.process_group, tag=self.serial, bucket_cap_mb=bucket_cap_mb)
+        self._events = Dispatcher(self.algorithm, self._replica)
+        self._step_hook = optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt))
         self._build_reducer()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._replica.record_step(optimizer)
+        self._events.after_step(optimizer)
+
+    def close(self) -> None:
+        """Stop averaging: remove the hooks on the parameters and the wrapped optimizer."""
+        self._events.teardown()
+        self._step_hook.remove()
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = self._replica.engine = None
 
     # ---- the wrapped optimizer's state, shared ----------------------------
     @property
@@ -173,13 +185,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The gradient engine over the parameters that require grad (none without a process group)."""
         if self._reducer is not None:
             self._reducer.remove()
-            self._reducer = None
+            self._reducer = self._replica.engine = None
         trainable = [(n, p) for n, p in self._named_params() if p.requires_grad]
         if self.process_group is None or not trainable:
             return
         names, params = zip(*trainable)
-        self._reducer = GradReducer(self, params, names, self.process_group, self.algorithm, int(self.bucket_cap_mb * MB))
-        self._reducer.decide_sync = self._decide_sync
+        self._replica.named_parameters = self._named_params()
+        self._reducer = GradReducer(
+            params, names, self.process_group, self._events, int(self.bucket_cap_mb * MB), tag=self.serial, decide_sync=self._decide_sync
+        )
+        self._replica.engine = self._reducer
         self._passes = 0
 
     def _decide_sync(self) -> bool:
@@ -219,9 +234,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus the algorithm's state if it keeps any."""
-        self.algorithm.flush(self)
+        self._events.flush()
         state = self.optimizer.state_dict()
-        algorithm_state = self.algorithm.state_dict()
+        algorithm_state = self._events.state_dict()
         if algorithm_state:
             state = {**state, ALGORITHM_KEY: {"name": self.algorithm.name, "state": algorithm_state}}
         return state
@@ -237,114 +252,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.load_state_dict(state)
         if algorithm_state is not None:
-            self.algorithm.load_state_dict(algorithm_state["state"])
-
-
-class QAdamOptimizer(torch.optim.Optimizer):
-    """Adam that freezes its variance after ``warmup_steps`` steps (the optimizer of "qadam").
-
-    For the first ``warmup_steps`` steps it is Adam (``exp_avg`` and
-    ``exp_avg_sq`` follow the gradient). After them ``exp_avg_sq`` stays as it
-    was and only the momentum moves, with the bias-corrected update
-    ``p -= lr * exp_avg_hat / (sqrt(exp_avg_sq_hat) + eps)``, where
-    ``exp_avg_sq_hat`` is corrected for the step at which it froze.
-
-    Under the "qadam" algorithm the post-warm-up gradients are already the
-    momentum (each rank's momentum, averaged in 8 bits), and the algorithm
-    sets ``grads_hold_momentum`` for the step that follows; otherwise (one
-    process, or another algorithm) the momentum is computed here from the
-    gradient.
-
-    A coordinate that had no gradient during the whole warm-up (its
-    ``exp_avg_sq`` is exactly 0, e.g. a weight into a ReLU unit that never
-    fired) has no variance to divide by: after the warm-up it stays where it
-    is, instead of taking steps of ``lr / eps`` that would blow it up. Pick a
-    warm-up long enough for the variance to be learned.
-
-    ``weight_decay`` is decoupled (as AdamW's): ``p *= 1 - lr * weight_decay``
-    before each update, in both phases, so it never passes through the
-    compressed momentum.
-    """
-
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 100,
-    ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be a positive integer (the variance is learned during them), got {warmup_steps!r}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.warmup_steps = warmup_steps
-        self.steps_taken = 0
-        self.grads_hold_momentum = False
-
-    @property
-    def warming_up(self) -> bool:
-        """Whether the next step is a warm-up (plain Adam) step."""
-        return self.steps_taken < self.warmup_steps
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        warm = self.warming_up
-        momentum_given = self.grads_hold_momentum and not warm
-        self.grads_hold_momentum = False
-        self.steps_taken += 1
-        t = self.steps_taken
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            correction1 = 1 - beta1**t
-            correction2 = 1 - beta2 ** min(t, self.warmup_steps)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg, exp_avg_sq, grad = state["exp_avg"], state["exp_avg_sq"], p.grad
-                if momentum_given:
-                    exp_avg.copy_(grad)
-                else:
-                    exp_avg.lerp_(grad, 1 - beta1)
-                if warm:
-                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if wd:
-                    p.mul_(1 - lr * wd)
-                denom = (exp_avg_sq.sqrt() / math.sqrt(correction2)).add_(eps)
-                if not warm:
-                    denom.masked_fill_(exp_avg_sq == 0, math.inf)
-                p.addcdiv_(exp_avg, denom, value=-lr / correction1)
-        return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus the step count (it decides the phase)."""
-        return {**super().state_dict(), "qadam_steps": self.steps_taken}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        state = dict(state_dict)
-        if "qadam_steps" not in state:
-            raise ValueError("this state dict was not saved by a QAdamOptimizer (it has no 'qadam_steps')")
-        steps = state.pop("qadam_steps")
-        super().load_state_dict(state)
-        self.steps_taken = int(steps)
-        self.grads_hold_momentum = False
+            self._events.load_state_dict(algorithm_state["state"])
 
 
 def _name_map(named_parameters: Optional[NamedParameters]) -> Optional[dict[int, str]]:

@@ -1,9 +1,10 @@
 """``DataParallel``: the nn.Module users wrap; a drop-in for torch's DistributedDataParallel.
 
 It checks that every rank wraps the same model, broadcasts rank 0's parameters
-and buffers, and fires the events of a training step for the chosen algorithm
-(see ``unison.algorithms.base``). The default algorithm, "allreduce", averages
-gradients in flat buckets overlapped with backward.
+and buffers, owns every hook, builds the ``Replica`` the algorithm sees, and
+fires the events of a training step through one ``Dispatcher``
+(``unison.events``). The default algorithm, "allreduce", averages gradients in
+flat buckets overlapped with backward.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
+import weakref
 import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -21,12 +23,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
-from . import health, nonfinite as nonfinite_
+from .engine import nonfinite as nonfinite_
+from .engine.averaging import average_optimizer_states, default_reduce
+from .engine.buckets import MB
+from .engine.comm import AsyncBroadcast, check_same_everywhere, default_broadcast
+from .engine.reducer import GradReducer
+from .events import Dispatcher
 from .join import STEP, Join, forward_code
-from .buckets import MB
-from .averaging import average_optimizer_states
-from .comm import AsyncBroadcast, check_same_everywhere, default_broadcast, default_reduce, private_group
-from .reducer import GradReducer
+from .replica import Replica
+from .runtime import health, private_group
 
 # torch DDP arguments that have no meaning here: accepted, with a warning.
 _IGNORED_DDP_ARGS = (
@@ -140,14 +145,15 @@ class DataParallel(nn.Module):
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
-        self._reducer = None
+        self._reducer: Optional[GradReducer] = None
         self.nonfinite = nonfinite
         self.debug = bool(debug)
         self._join: Optional[Join] = None
         self._forwards = 0
         self._skipped_local = 0
-        self._retired_bytes = self._retired_steps = self._optimizer_steps = 0
+        self._retired_bytes = self._retired_steps = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
+        self._step_group = None
 
         if dist.is_available() and dist.is_initialized():
             self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -164,11 +170,27 @@ class DataParallel(nn.Module):
         named = list(module.named_parameters())
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         self.optimizers: list[torch.optim.Optimizer] = []
+        # Hooks this wrapper put on the optimizers (removed by close()).
+        self._optimizer_hooks: list[RemovableHandle] = []
+        self._replica = Replica(
+            named,
+            list(module.named_buffers()),
+            self.optimizers,
+            self.process_group,
+            tag=str(self.serial),
+            modules=list(module.modules()),
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+        )
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
                 self.register_optimizer(opt)
         if self.process_group is not None:
             self._construct_collectives(named)
+        self._events: Optional[Dispatcher] = None
+        self._running: list[Optional[Dispatcher]] = [None]  # the dispatcher, for the finalizer
+        # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
+        self._finalizer = weakref.finalize(self, _release, self._replica, self._optimizer_hooks, self._running)
         self._start_algorithm()
 
     # ---- construction helpers ----------------------------------------
@@ -199,36 +221,54 @@ class DataParallel(nn.Module):
         check_same_everywhere("the wrapped models", entries, self.process_group, _describe_entry)
 
     def _start_algorithm(self) -> None:
-        self.algorithm.setup(self)
-        if self.process_group is None or not self.algorithm.reduces_gradients or not self._trainable:
-            return
-        group = self.algorithm.gradient_group(self)
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        names, params = zip(*self._trainable)
-        self._reducer = reducer = _make_reducer(self, params, names, group)
-        reducer.nonfinite = self.nonfinite
-        if self.broadcast_buffers and any(True for _ in self.module.buffers()):
-            reducer.on_begin.append(self._start_buffer_sync)
-            reducer.on_end.append(self._finish_buffer_sync)
+        self._events = self._running[0] = Dispatcher(self.algorithm, self._replica)
+        group = self._events.gradient_group() if self.process_group is not None else None
+        distributed = group is not None and dist.get_world_size(group) > 1
+        if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:
+            self._build_reducer(group if distributed else None)
+
+    def _build_reducer(self, group) -> GradReducer:
+        """The gradient engine over the trainable parameters (``group`` None: one replica)."""
+        names, params = zip(*self._trainable) if self._trainable else ((), ())
+        has_buffers = self.broadcast_buffers and group is not None and any(True for _ in self.module.buffers())
+        self._reducer = GradReducer(
+            params,
+            names,
+            group,
+            self._events,
+            bucket_cap_bytes=int(self.bucket_cap_mb * MB),
+            tag=str(self.serial),
+            negotiate=self.negotiate_grads,
+            delay=self.delay_reduce,
+            reduce_function=self._reduce_function,
+            nonfinite=self.nonfinite,
+            on_begin=[_weak(self._start_buffer_sync)] if has_buffers else [],
+            on_end=[_weak(self._finish_buffer_sync)] if has_buffers else [],
+            defers_completion=self.algorithm.defers_completion,
+        )
+        self._replica.engine = self._reducer
+        return self._reducer
 
     def _stop_algorithm(self) -> None:
-        self.algorithm.flush(self)
-        self.algorithm.teardown(self)
-        self._retired_bytes += getattr(self.algorithm, "bytes_sent", 0)
+        self._events.teardown()
+        self._retired_bytes += self._events.bytes_sent
         if self._reducer is not None:
             self._retired_bytes += self._reducer.bytes_total
             self._retired_steps += self._reducer.steps
             self._reducer.remove()
-            self._reducer = None
+            self._reducer = self._replica.engine = None
 
     @health.translated("switch_to()")
-    def switch_to(self, algorithm: Union[str, algos.Algorithm]) -> None:
-        """Change the algorithm mid-training, on every rank at the same step.
+    def switch_to(self, algorithm: Union[str, algos.Algorithm]) -> "DataParallel":
+        """Change the algorithm mid-training, on every rank at the same step; returns the model.
 
         Pending communication completes, the replicas' parameters are averaged
         (and buffers set to rank 0's), then the new algorithm takes over.
         Registered comm hooks belong to the old algorithm and are dropped.
+
+        Example::
+
+            model = model.switch_to("local_sgd:period=8")
         """
         new = algos.resolve(algorithm)
         if self.process_group is not None:
@@ -237,6 +277,25 @@ class DataParallel(nn.Module):
         self._stop_algorithm()
         self.algorithm = new
         self._start_algorithm()
+        return self
+
+    def close(self) -> None:
+        """Stop using this wrapper: finish pending work, stop the algorithm's threads and
+        remove every hook it put on the module, its parameters and the optimizers.
+
+        The module keeps its trained weights and can be wrapped again. Called
+        automatically when the wrapper is garbage-collected.
+        """
+        if self._events is None:
+            return
+        self._stop_algorithm()
+        self._events = self._running[0] = None
+        self._finalizer()
+
+    @property
+    def algorithm_state(self):
+        """The running algorithm's per-model state (what its ``setup`` built), or None."""
+        return None if self._events is None else self._events.state
 
     def _start_buffer_sync(self) -> None:
         if self._broadcast_function is default_broadcast:
@@ -260,7 +319,7 @@ class DataParallel(nn.Module):
             self._check_step_agrees()
         self._forwards += 1
         health.advance()
-        self.algorithm.before_forward(self)
+        self._events.before_forward()
         reducer = self._reducer
         if reducer is not None and torch.is_grad_enabled():
             reducer.prepare(self._require_sync)
@@ -269,7 +328,7 @@ class DataParallel(nn.Module):
                 reducer.watch(output)
         else:
             output = self.module(*args, **kwargs)
-        self.algorithm.after_forward(self, output)
+        self._events.after_forward(output)
         return output
 
     def _check_step_agrees(self) -> None:
@@ -279,7 +338,7 @@ class DataParallel(nn.Module):
             ("setting", "forward number", self._forwards),
             ("setting", "gradients enabled", torch.is_grad_enabled()),
             ("setting", "synchronized (not no_sync)", self._require_sync),
-            ("setting", "optimizer steps", self._optimizer_steps),
+            ("setting", "optimizer steps", self._replica.steps),
             ("setting", "algorithm", self.algorithm.describe()),
             ("setting", "world size", self.world_size),
             ("setting", "bucket plan", [b.indices for b in r.buckets] if r is not None else None),
@@ -325,10 +384,10 @@ class DataParallel(nn.Module):
         call it at the end of training before saving; ``state_dict()`` itself
         never communicates, so saving on rank 0 alone cannot hang.
         """
-        self.algorithm.flush(self)
+        self._events.flush()
         if self.process_group is None:
             return
-        self.algorithm.average(self)
+        self._events.average()
         with torch.no_grad():
             params = list(self.module.parameters())
             if params:
@@ -341,12 +400,13 @@ class DataParallel(nn.Module):
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
-        self.algorithm.flush(self)
+        if self._events is not None:
+            self._events.flush()
 
     def train(self, mode: bool = True):
         """Set training mode; leaving it (``eval()``) first flushes pending updates."""
-        if not mode and "algorithm" in self.__dict__:
-            self.algorithm.flush(self)
+        if not mode and self.__dict__.get("_events") is not None:
+            self._events.flush()
         return super().train(mode)
 
     @contextmanager
@@ -364,14 +424,17 @@ class DataParallel(nn.Module):
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: self._before_step(opt))
-        optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt))
+        if any(opt is optimizer for opt in self.optimizers):
+            raise ValueError("this optimizer is already registered with this DataParallel")
+        before, after = _weak(self._before_step), _weak(self._after_step)
+        self._optimizer_hooks.append(optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: before(opt)))
+        self._optimizer_hooks.append(optimizer.register_step_post_hook(lambda opt, _args, _kwargs: after(opt)))
         self.optimizers.append(optimizer)
 
     @health.translated("optimizer.step()")
     def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         """Before a registered optimizer's step: tell joined ranks, check gradients if asked."""
-        if self.process_group is None or self.algorithm.defers_completion:
+        if self.process_group is None or id(optimizer) in self._replica.replaced_steps:
             return  # nonblocking runs the real step layer by layer inside forward
         if self._join is not None and not shadow:
             self._join.notify(STEP + self.optimizers.index(optimizer))
@@ -402,13 +465,18 @@ class DataParallel(nn.Module):
 
     @health.translated("the algorithm's step")
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
-        if optimizer is self.optimizers[0] and not self.algorithm.defers_completion:
-            self._optimizer_steps += 1  # deferring algorithms count the user's step() calls themselves
-        self.algorithm.after_step(self, optimizer)
+        if id(optimizer) not in self._replica.replaced_steps:
+            self._replica.record_step(optimizer)  # a replaced step() counted itself when it was called
+        self._events.after_step(optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:
         """Tell the algorithm an epoch ended (schedules such as DASO's use the loss)."""
-        self.algorithm.end_epoch(self, None if loss is None else float(loss))
+        self._events.end_epoch(None if loss is None else float(loss))
+
+    def add_scaler(self, scaler) -> None:
+        """Tell the algorithm about a ``torch.amp.GradScaler`` (DASO counts a batch whose step
+        the scaler skipped at ``scaler.update()``). Call it once per scaler."""
+        self._replica.add_scaler(scaler)
 
     # ---- hooks ----------------------------------------------------------
     def register_comm_hook(self, *args: Any) -> Optional[RemovableHandle]:
@@ -422,39 +490,41 @@ class DataParallel(nn.Module):
         returns a Future of the reduced bucket and replaces the reduction, so
         torch's own hooks (``default_hooks.fp16_compress_hook``, ...) run unchanged.
         """
-        reducer = self._require_reducer()
         if len(args) == 1:
             (hook,) = args
             if not callable(hook):
                 raise TypeError("register_comm_hook(hook): hook must be callable as hook(model)")
-            handle = RemovableHandle(reducer.before_sync)
-            reducer.before_sync[handle.id] = hook
-            return handle
+            model = weakref.ref(self)
+            return self._require_reducer().add_before_sync(lambda: hook(model()))
         if len(args) == 2:
             state, hook = args
             if not callable(hook):
                 raise TypeError("register_comm_hook(state, hook): hook must be callable as hook(state, bucket)")
-            if reducer.comm_hook is not None:
-                raise RuntimeError("a comm hook (state, hook) is already registered; it can be registered only once")
-            reducer.comm_hook = (state, hook)
+            if not self.algorithm.reduces_gradients:
+                raise RuntimeError(
+                    f"algorithm {self.algorithm.name!r} never averages gradients, so a (state, hook) comm hook "
+                    "would never run; register a hook(model) instead, which runs after every backward"
+                )
+            self._require_reducer().register_comm_hook(state, hook)
             return None
         raise TypeError("register_comm_hook takes (hook) or (state, hook)")
 
-    def _require_reducer(self):
+    def _require_reducer(self) -> GradReducer:
+        """The gradient engine; built on demand for hooks where none runs (one replica,
+        one process per node under DASO, model averaging)."""
+        if not self._trainable:
+            raise RuntimeError("this DataParallel has no trainable parameters, so it has no communication hooks")
         if self._reducer is None:
-            raise RuntimeError(
-                "this DataParallel does not reduce gradients (no process group, no trainable "
-                f"parameters, or algorithm {self.algorithm.name!r}), so it has no communication hooks"
-            )
+            self._build_reducer(None)
         return self._reducer
 
     # ---- state ----------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any):
         """The wrapped module's state dict (same keys, no ``module.`` prefix),
         plus the algorithm's state under ``"_unison_algorithm"`` if it keeps any."""
-        self.algorithm.flush(self)
+        self.flush()
         state = self.module.state_dict(*args, **kwargs)
-        algorithm_state = self.algorithm.state_dict()
+        algorithm_state = self._events.state_dict() if self._events is not None else {}
         if algorithm_state:
             state[kwargs.get("prefix", "") + ALGORITHM_KEY] = {"name": self.algorithm.name, "state": algorithm_state}
         return state
@@ -476,7 +546,7 @@ class DataParallel(nn.Module):
             )
         result = self.module.load_state_dict(state, strict=strict, assign=assign)
         if algorithm_state is not None and algorithm_state["name"] == self.algorithm.name:
-            self.algorithm.load_state_dict(algorithm_state["state"])
+            self._events.load_state_dict(algorithm_state["state"])
         return result
 
     @property
@@ -485,8 +555,8 @@ class DataParallel(nn.Module):
         pseudo-gradients), in total, in the last backward pass, and per optimizer step
         (per synchronized backward pass when no optimizer was given)."""
         r = self._reducer
-        total = self._retired_bytes + (r.bytes_total if r else 0) + getattr(self.algorithm, "bytes_sent", 0)
-        steps = self._optimizer_steps if self.optimizers else self._retired_steps + (r.steps if r else 0)
+        total = self._retired_bytes + (r.bytes_total if r else 0) + (self._events.bytes_sent if self._events else 0)
+        steps = self._replica.steps if self.optimizers else self._retired_steps + (r.steps if r else 0)
         return {
             "steps": steps,
             "bytes_total": total,
@@ -503,16 +573,29 @@ def _describe_entry(entry: tuple) -> str:
     return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
 
 
-def _make_reducer(model: DataParallel, params, names, group) -> GradReducer:
-    reducer = GradReducer(
-        model,
-        params,
-        names,
-        group,
-        model.algorithm,
-        bucket_cap_bytes=int(model.bucket_cap_mb * MB),
-        negotiate=model.negotiate_grads,
-        delay=model.delay_reduce,
-    )
-    reducer.reduce_function = model._reduce_function
-    return reducer
+def _weak(method):
+    """A callable that calls the bound ``method`` while its object lives (hooks must not keep
+    the wrapper alive: a discarded wrapper is then released by its finalizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        return None if target is None else target(*args)
+
+    return call
+
+
+def _release(replica: Replica, optimizer_hooks: list, running: list) -> None:
+    """What a wrapper leaves when it is closed or collected: no hook, no thread (no collective)."""
+    events = running[0]
+    if events is not None:
+        running[0] = None
+        events.release()
+    if replica.engine is not None:
+        replica.engine.remove()
+        replica.engine = None
+    replica.remove_hooks()
+    replica.restore_scalers()
+    for handle in optimizer_hooks:
+        handle.remove()
+    optimizer_hooks.clear()

@@ -5,7 +5,8 @@
 allreduce(hierarchical=False)
 
 Each algorithm is one module here; ``_BUILTIN`` maps its name to
-"module:Class", imported on first use.
+"module:Class", imported on first use. ``parse`` reads ``"name:key=value,..."``
+for ``create``, ``unison train --algorithm`` and ``unison bench --contenders`` alike.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from .base import Algorithm
 _BUILTIN: dict[str, str] = {
     "allreduce": "allreduce:AllReduce",
     "powersgd": "powersgd:PowerSGD",
-    "bf16": "lowprec:BF16",
-    "fp16": "lowprec:FP16",
+    "bf16": "cast:BF16",
+    "fp16": "cast:FP16",
     "local_sgd": "local_sgd:LocalSGD",
     "nonblocking": "nonblocking:NonBlocking",
     "bytegrad": "bytegrad:ByteGrad",
     "qadam": "qadam:QAdam",
     "decentralized": "decentralized:Decentralized",
-    "low_precision_decentralized": "lowprec_decentralized:LowPrecisionDecentralized",
-    "async": "async_average:AsyncModelAverage",
+    "low_precision_decentralized": "low_precision_decentralized:LowPrecisionDecentralized",
+    "async": "async_:AsyncModelAverage",
     "daso": "daso:DASO",
     "diloco": "diloco:DiLoCo",
 }
@@ -66,18 +67,32 @@ def create(name: str, **options: Any) -> Algorithm:
 
 
 def parse(text: str) -> tuple[str, dict[str, Any]]:
-    """Split ``"name:key=value,key=value"`` into the name and its options (values as Python literals)."""
-    name, _, rest = text.partition(":")
+    """Split ``"name:key=value,key=value"`` into the name and its options.
+
+    Values are Python literals or JSON words (``2``, ``0.5``, ``True``/``true``,
+    ``None``/``null``); anything else is kept as text (``peer_selection=ring``).
+    """
+    name, _, rest = text.strip().partition(":")
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"cannot read option {item!r} of {text!r}: write name:key=value,key=value")
-        try:
-            options[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            options[key.strip()] = value.strip()  # a bare word: a string choice such as peer_selection=ring
+        options[key.strip()] = parse_value(value.strip())
     return name.strip(), options
+
+
+_WORDS = {"true": True, "false": False, "null": None}
+
+
+def parse_value(text: str) -> Any:
+    """One option value written as text (see ``parse``)."""
+    if text in _WORDS:
+        return _WORDS[text]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:

@@ -24,44 +24,24 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm, runtime
-from .base import Algorithm
+from ..engine import comm
+from .base import Algorithm, State
 from .bucket_tuner import BucketTuner
+from .options import Bool
 
 
-class AllReduce(Algorithm):
-    name = "allreduce"
-    defaults = {"hierarchical": False, "autotune": False}
+class AllReduceState(State):
+    """The autotuner and the hierarchical reduction's groups, when asked for."""
 
-    def validate(self) -> None:
-        for name in self.defaults:  # subclasses (nonblocking) keep only some of these options
-            if not isinstance(self.options[name], bool):
-                raise ValueError(f"{name} must be True or False, got {self.options[name]!r}")
+    __slots__ = ("tuner", "hierarchy")
 
-    def setup(self, model) -> None:
-        self._tuner = BucketTuner(model.bucket_cap_mb) if self.options.get("autotune") else None
-        self._hier = None
-        if self.options["hierarchical"] and model.process_group is not None:
-            self._hier = _Hierarchy(model.process_group, f"{model.serial}/hierarchical")
-
-    def teardown(self, model) -> None:
-        if self._hier is not None:
-            self._hier.close()
-            self._hier = None
-
-    def before_forward(self, model) -> None:
-        if self._tuner is not None and getattr(model, "training", True) and torch.is_grad_enabled():
-            self._tuner.forward_started()
-
-    def after_backward(self, model) -> None:
-        if self._tuner is not None and getattr(model, "_reducer", None) is not None:
-            self._tuner.backward_ended(model._reducer)
+    def __init__(self, tuner: Optional[BucketTuner], hierarchy: Optional["Hierarchy"]) -> None:
+        self.tuner, self.hierarchy = tuner, hierarchy
 
     @property
     def tuning(self) -> Optional[dict[str, Any]]:
         """The autotuning's measurements and choice, once made (None before, or without autotune)."""
-        tuner = getattr(self, "_tuner", None)
-        return None if tuner is None else tuner.result
+        return None if self.tuner is None else self.tuner.result
 
     @property
     def chosen_bucket_mb(self) -> Optional[float]:
@@ -73,31 +53,71 @@ class AllReduce(Algorithm):
         """Step time at the model's ``bucket_cap_mb`` over step time at the chosen size (>= 1)."""
         return None if self.tuning is None else self.tuning["gain"]
 
-    def reduce_bucket(self, bucket, group):
-        if self._hier is not None:
-            return self._hier.thread.submit(self._hier.reduce, bucket.flat)
-        return super().reduce_bucket(bucket, group)
-
-    def bucket_wire_bytes(self, bucket, world_size):
-        if self._hier is not None:
-            return self._hier.wire_bytes(bucket.nbytes)
-        return super().bucket_wire_bytes(bucket, world_size)
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
 
-class _Hierarchy:
+class AllReduce(Algorithm):
+    """Gradients averaged in buckets, one allreduce each, overlapped with backward.
+
+    Args:
+        hierarchical: reduce inside each node, allreduce across node leaders,
+            broadcast inside the node.
+        autotune: time a few bucket sizes online and keep the fastest.
+
+    Example::
+
+        model = unison.DataParallel(net, algorithm=unison.algorithms.create("allreduce", hierarchical=True))
+    """
+
+    name = "allreduce"
+    hierarchical = Bool(False, doc="reduce in the node, allreduce across nodes, broadcast in the node")
+    autotune = Bool(False, doc="tune the bucket size online")
+
+    def setup(self, replica) -> AllReduceState:
+        super().setup(replica)
+        tuner = BucketTuner(replica.bucket_cap_mb) if self.autotune else None
+        hierarchy = Hierarchy(replica, "hierarchical") if self.hierarchical and replica.group is not None else None
+        return AllReduceState(tuner, hierarchy)
+
+    def teardown(self, replica, state) -> None:
+        if state.hierarchy is not None:
+            state.hierarchy.thread.close()
+            state.hierarchy = None
+
+    def before_forward(self, replica, state) -> None:
+        if state.tuner is not None and torch.is_grad_enabled():
+            state.tuner.forward_started()
+
+    def after_backward(self, replica, state) -> None:
+        if state.tuner is not None:
+            state.tuner.backward_ended(replica)
+
+    def reduce_bucket(self, replica, state, bucket, group):
+        if state.hierarchy is not None:
+            return state.hierarchy.thread.submit(state.hierarchy.reduce, bucket.flat)
+        return super().reduce_bucket(replica, state, bucket, group)
+
+    def bucket_wire_bytes(self, replica, state, bucket, world_size):
+        if state.hierarchy is not None:
+            return state.hierarchy.wire_bytes(bucket.nbytes)
+        return super().bucket_wire_bytes(replica, state, bucket, world_size)
+
+
+class Hierarchy:
     """The groups and the thread of a hierarchical reduction (reduce, allreduce, broadcast)."""
 
-    def __init__(self, group, tag: str) -> None:
-        topo = runtime.topology()
+    def __init__(self, replica, tag: str) -> None:
+        topo = replica.topology
         if topo.world_size != dist.get_world_size():
             raise ValueError("hierarchical allreduce needs the node layout: call unison.init() before building DataParallel")
-        if group is not dist.group.WORLD:
+        if replica.group is not dist.group.WORLD:
             raise ValueError("hierarchical allreduce runs on the whole world; it cannot be combined with a process_group subset")
         self.local_size, self.nodes = topo.local_world_size, topo.num_nodes
         self.leader = topo.node_ranks()[0]
         self.is_leader = topo.local_rank == 0
-        self.intra = comm.private_group(topo.intra_node_group, tag + "/intra")
-        self.inter = comm.private_group(topo.inter_node_group, tag + "/inter")
+        self.intra = replica.private_group(tag + "/intra", topo.intra_node_group)
+        self.inter = replica.private_group(tag + "/inter", topo.inter_node_group)
         self.thread = comm.CommThread("unison-hier")
 
     def reduce(self, flat) -> None:
@@ -113,6 +133,3 @@ class _Hierarchy:
             return nbytes  # its share of the intra-node reduce
         inter = 2 * (self.nodes - 1) * nbytes // self.nodes
         return inter + (self.local_size - 1) * nbytes  # plus the intra-node broadcast
-
-    def close(self) -> None:
-        self.thread.close()

@@ -1,24 +1,10 @@
-"""The Algorithm interface: the events of a training step an algorithm may react to.
+"""The Algorithm interface: configuration, plus reactions to the events of a training step.
 
-An algorithm is a small configuration object, validated when it is created,
-that reacts only to the events it needs. DataParallel owns the hooks and the
-buckets and fires the events; the algorithm owns what is sent and when.
-
-| event          | method            | fired                                        |
-| -------------- | ----------------- | -------------------------------------------- |
-| construction   | ``setup``         | once, when DataParallel is built or switched |
-| before forward | ``before_forward``| at the start of every forward                |
-| after forward  | ``after_forward`` | after every forward, with its output         |
-| bucket ready   | ``reduce_bucket`` | when a gradient bucket is complete, in order |
-| backward end   | ``after_backward``| after the buckets' reductions are complete   |
-| optimizer step | ``after_step``    | after ``optimizer.step()`` of a registered optimizer |
-| end of epoch   | ``end_epoch``     | when the user calls ``model.end_epoch(loss)`` |
-| switch / save  | ``flush``         | before switching algorithms or checkpointing |
-| final average  | ``average``       | ``model.average()`` and before a switch      |
-| switch away    | ``teardown``      | when DataParallel stops using the algorithm  |
-
-An algorithm's ``state_dict()`` (residuals, warm-start factors, momenta,
-counters) is saved inside DataParallel's state dict and restored exactly.
+An algorithm object holds only its validated options (declared once with
+``unison.algorithms.options``); ``setup(replica)`` builds the per-model state,
+and every event receives the ``Replica`` and that state. The events, and the
+order in which ``unison.events.Dispatcher`` fires them, are listed in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -28,156 +14,165 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..engine import comm
+from . import options as opts
+
+
+class State:
+    """Base of an algorithm's per-model state: what ``setup`` returns.
+
+    Subclasses declare their slots in one place (``__slots__`` or a dataclass)
+    and list in ``saved`` the attributes that ``state_dict`` keeps.
+    """
+
+    saved: ClassVar[tuple[str, ...]] = ()
+    #: Bytes the algorithm sent itself (weights, pseudo-gradients), apart from gradient buckets.
+    bytes_sent: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - set(self.saved))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} does not keep {unknown}; it keeps {list(self.saved)}")
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 class Algorithm:
-    """Base class; subclasses set ``name`` and ``defaults`` and override events.
+    """Base class: subclasses set ``name``, declare options and override the events they need.
 
-    ``defaults`` maps each option to its default value; an option not in it is
-    refused at construction with a ValueError that lists the allowed ones.
+    Args:
+        **options: the algorithm's options (see each algorithm's docstring);
+            an unknown one, or a value out of range, raises ValueError saying
+            what is allowed.
+
+    Example::
+
+        class Halve(Algorithm):
+            name = "halve"
+            factor = options.Number(0.5)
+
+            def grad_scale(self, replica, state, world_size):
+                return self.factor / world_size
     """
 
     name: ClassVar[str] = "base"
+    #: Every option with its default (filled in for each subclass from its declarations).
     defaults: ClassVar[dict[str, Any]] = {}
-    #: Whether DataParallel runs the gradient buckets during backward.
+    #: Whether the wrapper runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
     #: Whether replicas train on local gradients between syncs (model averaging):
     #: then ``DataParallel.average()`` also averages the optimizers' states.
     replicas_drift: ClassVar[bool] = False
     #: Whether the end of backward leaves reductions in flight, for the
-    #: algorithm to complete later with ``model._reducer.complete(buckets)``.
+    #: algorithm to complete later through ``replica.complete(buckets)``.
     defers_completion: ClassVar[bool] = False
+    #: Whether the algorithm acts after optimizer steps, so it needs the optimizers.
+    needs_optimizers: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options_declared = opts.declared(cls)
+        cls.defaults = {name: o.default for name, o in cls.options_declared.items()}
 
     def __init__(self, **options: Any) -> None:
-        unknown = sorted(set(options) - set(self.defaults))
-        if unknown:
-            allowed = ", ".join(sorted(self.defaults)) or "none"
-            raise ValueError(f"algorithm {self.name!r} has no option {', '.join(map(repr, unknown))}; allowed options: {allowed}")
-        self.options = {**self.defaults, **options}
+        self._values, self._written = opts.resolve(self.name, type(self).options_declared, options)
         self.validate()
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options, each under the name it was given by (its canonical name when not given)."""
+        return {self._written.get(name, name): value for name, value in self._values.items()}
+
     def validate(self) -> None:
-        """Check ``self.options``; raise ValueError saying what is allowed."""
+        """Checks that involve several options; raise ValueError saying what is allowed."""
 
     def describe(self) -> str:
         """A stable text naming the algorithm and its options, compared across ranks."""
-        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
-        return f"{self.name}({opts})"
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in sorted(self._values.items()))})"
 
     def __repr__(self) -> str:
         return self.describe()
 
-    # ---- events -------------------------------------------------------
-    def setup(self, model) -> None:
-        """Construction: build per-model state."""
+    # ---- set-up -------------------------------------------------------------
+    def setup(self, replica) -> Optional[State]:
+        """Construction (and after a switch): build the per-model state."""
+        if self.needs_optimizers and not replica.optimizers:
+            raise ValueError(
+                f"{self.name!r} acts after each optimizer step, so it needs the optimizer(s): "
+                f"DataParallel(module, optimizer=opt, algorithm={self.name!r})"
+            )
+        return None
 
-    def after_forward(self, model, output) -> None:
+    def teardown(self, replica, state) -> None:
+        """The model stops using this algorithm: release threads (hooks are removed by the wrapper)."""
+        thread = getattr(state, "thread", None)
+        if thread is not None:
+            thread.close()
+            state.thread = None
+
+    def release(self, replica, state) -> None:
+        """The wrapper was garbage-collected without ``close()``: stop threads without any
+        collective (other ranks may not be releasing now)."""
+        self.teardown(replica, state)
+
+    # ---- forward -------------------------------------------------------------
+    def before_forward(self, replica, state) -> None:
+        """Before every forward of the wrapped module."""
+
+    def after_forward(self, replica, state, output) -> None:
         """After every forward of the wrapped module, with its output."""
 
-    def sync_gradients(self, model) -> bool:
-        """Whether the backward pass about to run averages gradients (asked once per pass).
+    # ---- the gradient engine's questions --------------------------------------
+    def gradient_group(self, replica, state) -> Optional[dist.ProcessGroup]:
+        """The process group gradients are averaged over (DASO: the node)."""
+        return replica.group
 
-        Model-averaging algorithms answer False after their warm-up: their
-        replicas then train on local gradients.
-        """
+    def sync_gradients(self, replica, state) -> bool:
+        """Whether the backward pass about to run averages gradients (asked once per pass)."""
         return True
 
-    def gradient_group(self, model):
-        """The process group gradients are averaged over (DASO: the node)."""
-        return model.process_group
-
-    def grad_scale(self, world_size: int) -> float:
+    def grad_scale(self, replica, state, world_size: int) -> float:
         """Factor applied to local gradients as they are copied into buckets."""
         return 1.0 / world_size
 
-    def reduce_bucket(self, bucket, group: Optional[dist.ProcessGroup]):
+    def reduce_bucket(self, replica, state, bucket, group: Optional[dist.ProcessGroup]):
         """Start reducing ``bucket.flat`` in place; return something with ``wait()``.
 
         The default is one asynchronous allreduce (the gradients were scaled by
-        ``grad_scale``, so the sum is the average): what "allreduce" does, and
-        what model-averaging algorithms use during their synchronous warm-up.
+        ``grad_scale``, so the sum is the average).
         """
         return comm.start(dist.all_reduce, bucket.flat, group=group)
 
-    def bucket_wire_bytes(self, bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, replica, state, bucket, world_size: int) -> int:
         """Bytes this rank sends for one bucket (a ring allreduce)."""
         return comm.ring_bytes(bucket.nbytes, world_size)
 
-    def before_forward(self, model) -> None:
-        """Before every forward of the wrapped module."""
-
-    def after_backward(self, model) -> None:
+    def after_backward(self, replica, state) -> None:
         """After a synchronized backward, once every bucket is reduced."""
 
-    def after_step(self, model, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer.step()`` of an optimizer registered with the model."""
+    # ---- step, epoch, end ---------------------------------------------------------
+    def after_step(self, replica, state, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()`` of a registered optimizer (``replica.step_ended`` says
+        whether it completed a training step)."""
 
-    def end_epoch(self, model, loss: Optional[float]) -> None:
+    def end_epoch(self, replica, state, loss: Optional[float]) -> None:
         """At the end of an epoch, with the epoch's loss if the user gives one."""
 
-    def flush(self, model) -> None:
+    def flush(self, replica, state) -> None:
         """Finish this rank's pending work (local: no new collective), before a switch or a checkpoint."""
 
-    def average(self, model) -> None:
+    def average(self, replica, state) -> None:
         """Make every replica identical now (a collective: every rank calls it).
 
-        Called by ``DataParallel.average()`` and before a switch; algorithms
-        whose replicas drift apart between syncs override it.
+        Algorithms whose replicas drift apart between syncs override it to
+        finish or drop syncs in flight; the wrapper then averages the weights.
         """
 
-    def open_thread(self, model, group=None) -> None:
-        """Give this algorithm a private process group (``self.group``, a copy of
-        ``group``, default the model's) and a CommThread (``self.thread``) for
-        reductions of several dependent collectives; ``teardown`` closes it."""
-        self.group = comm.private_group(group if group is not None else model.process_group, f"{model.serial}/{self.name}")
-        self.thread = comm.CommThread(f"unison-{self.name}")
 
-    def teardown(self, model) -> None:
-        """The model stops using this algorithm: release its thread, if it opened one."""
-        thread = getattr(self, "thread", None)
-        if thread is not None:
-            thread.close()
-            self.thread = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"algorithm {self.name!r} keeps no state but was given {sorted(state)}")
-
-
-class StepCounter:
-    """Counts training steps: one ends when every optimizer given to DataParallel
-    has stepped since the last (``after_step`` fires once per optimizer)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.pending: set[int] = set()
-
-    def step_ended(self, model, optimizer) -> bool:
-        """Record ``optimizer``'s step; True when it completes a training step."""
-        self.pending.add(id(optimizer))
-        if len(self.pending) < len(model.optimizers):
-            return False
-        self.pending.clear()
-        self.steps += 1
-        return True
-
-
-def require_optimizers(model, name: str) -> None:
-    """Refuse to run algorithm ``name`` on a model built without its optimizer(s)."""
-    if not model.optimizers:
-        raise ValueError(
-            f"{name!r} acts after each optimizer step, so it needs the optimizer(s): "
-            f"DataParallel(module, optimizer=opt, algorithm={name!r})"
-        )
-
-
-def check_int(options: dict, name: str, minimum: int = 1) -> None:
-    """Refuse an option that is not an integer of at least ``minimum`` (bools are not integers here)."""
-    value = options[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+def open_thread(replica, name: str, group=None):
+    """A private process group and a CommThread for reductions of several dependent
+    collectives (``(group, thread)``); ``Algorithm.teardown`` closes a ``state.thread``."""
+    return replica.private_group(name, group), comm.CommThread(f"unison-{name}")

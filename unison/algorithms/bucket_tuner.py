@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import buckets as bucketing
+from ..engine import buckets as bucketing
 
 #: Candidate bucket sizes in MiB, besides the model's own ``bucket_cap_mb``.
 CANDIDATES_MB = (1, 4, 10, 25, 64)
@@ -35,7 +35,7 @@ class BucketTuner:
     """Drives one model's reducer through the candidate sizes and keeps the fastest.
 
     ``forward_started()`` is called at each training forward and
-    ``backward_ended(reducer)`` after each synchronized backward (the
+    ``backward_ended(replica)`` after each synchronized backward (the
     algorithm's events; without forward events, as under DistributedOptimizer,
     a step is timed from one backward's end to the next's); ``result`` is None until the choice is made, then a
     dict with ``chosen_mb``, ``default_mb``, ``gain`` (the default size's step
@@ -56,7 +56,7 @@ class BucketTuner:
     def forward_started(self) -> None:
         self._start = time.perf_counter()
 
-    def backward_ended(self, reducer) -> None:
+    def backward_ended(self, replica) -> None:
         if self.result is not None:
             return
         now = time.perf_counter()
@@ -66,8 +66,8 @@ class BucketTuner:
         self._steps += 1
         if self._queue is None:
             if self._steps >= WARMUP_STEPS:
-                self._queue = self._distinct_sizes(reducer)
-                self._switch(reducer, self._queue.pop(0))
+                self._queue = self._distinct_sizes(replica)
+                self._switch(replica, self._queue.pop(0))
             return
         self._seen += 1
         if self._seen > SETTLE_STEPS and elapsed is not None:
@@ -75,35 +75,34 @@ class BucketTuner:
         if len(self._times[self._current]) < MEASURE_STEPS:
             return
         if self._queue:
-            self._switch(reducer, self._queue.pop(0))
+            self._switch(replica, self._queue.pop(0))
         else:
-            self._choose(reducer)
+            self._choose(replica)
 
-    def _switch(self, reducer, mb: float) -> None:
+    def _switch(self, replica, mb: float) -> None:
         self._current, self._seen = mb, 0
         self._times[mb] = []
-        reducer.set_bucket_cap(int(mb * bucketing.MB))
+        replica.set_bucket_size(int(mb * bucketing.MB))
 
-    def _distinct_sizes(self, reducer) -> list[float]:
+    def _distinct_sizes(self, replica) -> list[float]:
         """The default size first, then each candidate that buckets the gradients differently."""
-        order = [i for b in reducer.buckets for i in b.indices]
         sizes, plans = [], set()
         for mb in [self.default_mb, *sorted(CANDIDATES_MB)]:
-            cap = int(mb * bucketing.MB)
-            plan = tuple(map(tuple, bucketing.plan(reducer.params, order, cap, min(cap, bucketing.MB))))
+            plan = tuple(map(tuple, replica.bucket_plan(int(mb * bucketing.MB))))
             if plan not in plans:
                 plans.add(plan)
                 sizes.append(mb)
         return sizes
 
-    def _choose(self, reducer) -> None:
+    def _choose(self, replica) -> None:
         """Agree on the fastest size (mean over ranks of each rank's median) and keep it."""
         sizes = list(self._times)
         ms = torch.tensor([1000 * statistics.median(self._times[mb]) for mb in sizes], dtype=torch.float64)
-        dist.all_reduce(ms, group=reducer.group)
-        ms /= dist.get_world_size(reducer.group)
+        group = replica.gradient_group
+        dist.all_reduce(ms, group=group)
+        ms /= dist.get_world_size(group)
         best = int(torch.argmin(ms))
-        reducer.set_bucket_cap(int(sizes[best] * bucketing.MB))
+        replica.set_bucket_size(int(sizes[best] * bucketing.MB))
         step_ms = {mb: round(t, 3) for mb, t in zip(sizes, ms.tolist())}
         self.result = {
             "chosen_mb": sizes[best],

@@ -10,69 +10,86 @@ buffers (BatchNorm statistics) are averaged; the optimizers' states stay local.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .. import comm, runtime
-from ..averaging import average_
-from .base import Algorithm, check_int, require_optimizers
+from ..engine.averaging import average_
+from .base import Algorithm, State
+from .options import Bool, Int
+from .periodic import StepCount
+
+
+class LocalSGDState(State):
+    """The step count and the node's private group (hierarchical only)."""
+
+    __slots__ = ("count", "intra")
+
+    def __init__(self, count: StepCount, intra: Optional[dist.ProcessGroup]) -> None:
+        self.count, self.intra = count, intra
+
+    @property
+    def steps(self) -> int:
+        return self.count.steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.count.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count.load_state_dict(state)
 
 
 class LocalSGD(Algorithm):
-    """Periodic weight averaging after a synchronous warm-up."""
+    """Periodic weight averaging after a synchronous warm-up.
+
+    Args:
+        period: average the weights every this many steps (alias
+            ``communication_interval``).
+        warmup_steps: steps of synchronous gradient averaging first.
+        hierarchical: also average inside each node every ``local_period`` steps.
+        local_period: the node's averaging period (smaller than ``period``).
+
+    Example::
+
+        model = unison.DataParallel(net, optimizer=opt, algorithm="local_sgd:period=8")
+    """
 
     name = "local_sgd"
     replicas_drift = True
-    defaults = {"period": 16, "warmup_steps": 0, "hierarchical": False, "local_period": 2}
+    needs_optimizers = True
+    period = Int(16, aliases=("communication_interval",), doc="steps between two averages")
+    warmup_steps = Int(0, minimum=0, doc="steps of synchronous gradient averaging first")
+    hierarchical = Bool(False, doc="also average inside each node every local_period steps")
+    local_period = Int(2, doc="steps between two averages inside a node")
 
     def validate(self) -> None:
-        check_int(self.options, "period")
-        check_int(self.options, "warmup_steps", minimum=0)
-        check_int(self.options, "local_period")
-        if not isinstance(self.options["hierarchical"], bool):
-            raise ValueError(f"hierarchical must be True or False, got {self.options['hierarchical']!r}")
-        if self.options["hierarchical"] and self.options["local_period"] >= self.options["period"]:
+        if self.hierarchical and self.local_period >= self.period:
             raise ValueError(
-                f"local_period ({self.options['local_period']}) must be smaller than period ({self.options['period']}): "
+                f"local_period ({self.local_period}) must be smaller than period ({self.period}): "
                 "nodes average inside more often than across"
             )
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.steps = 0
-        self.bytes_sent = 0
-
-    def setup(self, model) -> None:
-        require_optimizers(model, self.name)
-        self._intra = None
-        if self.options["hierarchical"] and model.process_group is not None:
-            topo = runtime.topology()
-            if topo.world_size != dist.get_world_size() or model.process_group is not dist.group.WORLD:
+    def setup(self, replica) -> LocalSGDState:
+        super().setup(replica)
+        intra = None
+        if self.hierarchical and replica.group is not None:
+            topo = replica.topology
+            if topo.world_size != dist.get_world_size() or replica.group is not dist.group.WORLD:
                 raise ValueError("hierarchical local_sgd needs unison.init() and the whole world as its process group")
-            self._intra = comm.private_group(topo.intra_node_group, f"{model.serial}/local_sgd/intra")
+            intra = replica.private_group("local_sgd/intra", topo.intra_node_group)
+        return LocalSGDState(StepCount(self.period, self.warmup_steps), intra)
 
-    def sync_gradients(self, model) -> bool:
-        return self.steps < self.options["warmup_steps"]
+    def sync_gradients(self, replica, state) -> bool:
+        return state.count.warming_up
 
-    def after_step(self, model, optimizer) -> None:
-        if optimizer is not model.optimizers[0] or model.process_group is None:
+    def after_step(self, replica, state, optimizer) -> None:
+        if not state.count.tick(replica, optimizer) or replica.group is None:
             return
-        self.steps += 1
-        local_steps = self.steps - self.options["warmup_steps"]
-        if local_steps <= 0:
-            return
-        if local_steps % self.options["period"] == 0:
-            self._average(model, model.process_group)
-        elif self._intra is not None and local_steps % self.options["local_period"] == 0:
-            self._average(model, self._intra)
+        if state.count.due():
+            self._average(replica, state, replica.group)
+        elif state.intra is not None and state.count.due(self.local_period):
+            self._average(replica, state, state.intra)
 
-    def _average(self, model, group) -> None:
-        tensors = list(model.module.parameters()) + [b for b in model.module.buffers() if b.is_floating_point()]
-        self.bytes_sent += average_(tensors, group)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
+    def _average(self, replica, state, group) -> None:
+        tensors = replica.parameters + [b for b in replica.buffers if b.is_floating_point()]
+        state.bytes_sent += average_(tensors, group)

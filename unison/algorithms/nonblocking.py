@@ -17,14 +17,12 @@ applied by ``model.eval()``, ``model.state_dict()``, ``switch_to()`` and
 
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import torch
 import torch.utils._pytree
-from torch import nn
 
-from .allreduce import AllReduce
+from .allreduce import AllReduce, AllReduceState
 
 
 class _Pending:
@@ -36,121 +34,111 @@ class _Pending:
         self.zero: Optional[bool] = None  # set_to_none of a deferred zero_grad
 
 
-class NonBlocking(AllReduce):
-    name = "nonblocking"
-    defaults = {"hierarchical": False}
-    defers_completion = True
+class NonBlockingState(AllReduceState):
+    """The deferred steps, and each optimizer's real step and zero_grad."""
 
-    def setup(self, model) -> None:
-        super().setup(model)
-        if not model.optimizers:
+    __slots__ = ("pending", "originals")
+
+    def __init__(self, base: AllReduceState) -> None:
+        super().__init__(base.tuner, base.hierarchy)
+        self.pending: dict[int, _Pending] = {}
+        self.originals: dict[int, tuple] = {}
+
+
+class NonBlocking(AllReduce):
+    """Gradient averaging whose updates land layer by layer at the next forward (HeAT's non-blocking mode).
+
+    Example::
+
+        model = unison.DataParallel(net, optimizer=opt, algorithm="nonblocking")
+    """
+
+    name = "nonblocking"
+    defers_completion = True
+    autotune = None  # not an option here
+
+    def setup(self, replica) -> NonBlockingState:
+        if not replica.optimizers:
             raise ValueError(
                 "nonblocking applies each layer's update just before that layer's next forward, so it needs the "
                 "optimizer(s): DataParallel(module, optimizer=opt, algorithm='nonblocking')"
             )
-        self.model = model
-        self._pending: dict[int, _Pending] = {}
-        self._originals = {}
-        for opt in model.optimizers:
-            self._originals[id(opt)] = (opt.step, opt.zero_grad)
-            opt.step = self._deferred_step(opt)
-            opt.zero_grad = self._deferred_zero_grad(opt)
-        self._hooks = [
-            m.register_forward_pre_hook(self._layer_hook(m))
-            for m in model.module.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        self._bucket_of: Optional[dict[int, int]] = None
-
-    def teardown(self, model) -> None:
-        for opt in model.optimizers:
-            step, zero_grad = self._originals.pop(id(opt))
-            opt.step, opt.zero_grad = step, zero_grad
-        for h in self._hooks:
-            h.remove()
-        super().teardown(model)
+        state = NonBlockingState(super().setup(replica))
+        for opt in replica.optimizers:
+            state.originals[id(opt)] = replica.replace_optimizer_methods(
+                opt, lambda o, closure, s=state: self._deferred_step(replica, s, o, closure), lambda o, set_to_none=True, s=state: self._deferred_zero_grad(s, o, set_to_none)
+            )
+        for m in replica.modules:
+            params = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            if params:
+                replica.on_forward(m, lambda params=params: self._layer_hook(replica, state, params))
+        return state
 
     # ---- what the user's calls now do ---------------------------------
-    def _deferred_step(self, opt):
-        """A bound ``step`` (LR schedulers wrap it) that records the step instead of taking it."""
+    def _deferred_step(self, replica, state, opt, closure) -> None:
+        """Record the step instead of taking it (the real one runs layer by layer later)."""
+        if closure is not None:
+            raise ValueError("nonblocking cannot defer an optimizer step with a closure")
+        if id(opt) in state.pending:  # a second step() before any forward
+            self.flush(replica, state)
+        state.pending[id(opt)] = _Pending(opt)
 
-        def step(opt, closure=None):
-            if closure is not None:
-                raise ValueError("nonblocking cannot defer an optimizer step with a closure")
-            if id(opt) in self._pending:  # a second step() before any forward
-                self.flush(self.model)
-            self._pending[id(opt)] = _Pending(opt)
-            if opt is self.model.optimizers[0]:
-                self.model._optimizer_steps += 1  # the real step runs layer by layer later
-
-        return types.MethodType(step, opt)
-
-    def _deferred_zero_grad(self, opt):
-        def zero_grad(opt, set_to_none: bool = True):
-            pending = self._pending.get(id(opt))
-            if pending is None:
-                self._originals[id(opt)][1](set_to_none=set_to_none)
-            else:
-                pending.zero = set_to_none
-
-        return types.MethodType(zero_grad, opt)
+    def _deferred_zero_grad(self, state, opt, set_to_none: bool = True) -> None:
+        pending = state.pending.get(id(opt))
+        if pending is None:
+            state.originals[id(opt)][1](set_to_none=set_to_none)
+        else:
+            pending.zero = set_to_none
 
     # ---- applying updates -------------------------------------------------
-    def before_forward(self, model) -> None:
+    def before_forward(self, replica, state) -> None:
         if not torch.is_grad_enabled():
-            self.flush(model)  # no graph to check afterwards: update everything first
+            self.flush(replica, state)  # no graph to check afterwards: update everything first
             return
-        reducer = model._reducer
-        if reducer is not None:
-            reducer.complete(buckets=[])  # flags and buffers: needed by every layer
+        replica.complete(buckets=[])  # flags and buffers: needed by every layer
+        super().before_forward(replica, state)
 
-    def after_forward(self, model, output) -> None:
+    def after_forward(self, replica, state, output) -> None:
         """Finish updates whose layers did not run; refuse if such a parameter was used anyway."""
         leftovers = {
             id(p): p
-            for opt in model.optimizers
-            if id(opt) in self._pending
+            for opt in replica.optimizers
+            if id(opt) in state.pending
             for g in opt.param_groups
             for p in g["params"]
-            if id(p) not in self._pending[id(opt)].done and p.requires_grad
+            if id(p) not in state.pending[id(opt)].done and p.requires_grad
         }
         if not leftovers:
             return
         stale = [p for p in _graph_leaves(output) if id(p) in leftovers]
         if stale:
-            names = {id(p): n for n, p in model.module.named_parameters()}
+            names = {id(p): n for n, p in replica.named_parameters}
             raise RuntimeError(
                 f"nonblocking: parameter {names.get(id(stale[0]), '?')!r} was used in forward outside its own "
                 "module's forward, before its deferred update was applied; use algorithm 'allreduce' for this model"
             )
-        self.flush(model)
+        self.flush(replica, state)
 
-    def _layer_hook(self, module: nn.Module):
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    def _layer_hook(self, replica, state, params) -> None:
+        if state.pending or replica.in_flight:
+            self._apply(replica, state, params)
 
-        def hook(_module, _inputs):
-            if self._pending or self.model._reducer._unfinished:
-                self._apply(params)
-
-        return hook
-
-    def _apply(self, params) -> None:
-        reducer = self.model._reducer
-        if self._bucket_of is None or len(self._bucket_of) != len(reducer.params):
-            self._bucket_of = {id(p): reducer._bucket_of[i] for i, p in enumerate(reducer.params)}
-        reducer.complete(sorted({self._bucket_of[id(p)] for p in params if id(p) in self._bucket_of}))
-        for opt in self.model.optimizers:
-            pending = self._pending.get(id(opt))
+    def _apply(self, replica, state, params) -> None:
+        buckets = {replica.bucket_of(p) for p in params}
+        buckets.discard(None)
+        replica.complete(sorted(buckets))
+        for opt in replica.optimizers:
+            pending = state.pending.get(id(opt))
             if pending is None:
                 continue
             mine = {id(p) for g in opt.param_groups for p in g["params"]}
             todo = [p for p in params if id(p) in mine and id(p) not in pending.done]
             if todo:
-                self._step_only(opt, pending, todo)
+                self._step_only(state, opt, pending, todo)
             if len(pending.done) == len(mine):
-                del self._pending[id(opt)]
+                del state.pending[id(opt)]
 
-    def _step_only(self, opt, pending: _Pending, params) -> None:
+    def _step_only(self, state, opt, pending: _Pending, params) -> None:
         """Run ``opt``'s real step on ``params`` alone, with the hyperparameters of its step() call."""
         chosen = {id(p) for p in params}
         hidden, saved = [], []
@@ -162,7 +150,7 @@ class NonBlocking(AllReduce):
                     hidden.append((p, p.grad))
                     p.grad = None
         try:
-            self._originals[id(opt)][0]()
+            state.originals[id(opt)][0]()
         finally:
             for p, grad in hidden:
                 p.grad = grad
@@ -176,23 +164,20 @@ class NonBlocking(AllReduce):
                         p.grad = None
                     else:
                         p.grad.zero_()
-        # Parameters of this optimizer outside any layer's forward are finished by flush().
 
-    def flush(self, model) -> None:
+    def flush(self, replica, state) -> None:
         """Complete every reduction and apply every pending update now."""
-        reducer = model._reducer
-        if reducer is not None:
-            reducer.complete()
-        for opt in model.optimizers:
-            pending = self._pending.get(id(opt))
+        replica.complete()
+        for opt in replica.optimizers:
+            pending = state.pending.get(id(opt))
             if pending is None:
                 continue
             todo = [p for g in opt.param_groups for p in g["params"] if id(p) not in pending.done]
             if todo:
-                self._step_only(opt, pending, todo)
+                self._step_only(state, opt, pending, todo)
             if pending.zero is not None:
-                self._originals[id(opt)][1](set_to_none=pending.zero)
-            del self._pending[id(opt)]
+                state.originals[id(opt)][1](set_to_none=pending.zero)
+            del state.pending[id(opt)]
 
 
 def _graph_leaves(output) -> list[torch.Tensor]:

@@ -22,7 +22,6 @@ ring-allreduce volume of what they reduce, counted step by step.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -64,26 +63,12 @@ class Spec:
         return self.text if self.kind == "unison" else (PEERS[self.name] + (f" ({self.text.partition(':')[2]})" if self.options else ""))
 
 
-def _value(text: str) -> Any:
-    """An option value: JSON (numbers, true/false, null), Python's True/False, else the text."""
-    if text in ("True", "False"):
-        return text == "True"
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse(text: str) -> Spec:
     """``"powersgd:rank=4,start_iter=2"`` -> Spec("powersgd", {"rank": 4, "start_iter": 2}), validated."""
+    from ... import algorithms
+
     text = text.strip()
-    name, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"contender {text!r}: options are written name=value, got {item!r}")
-        options[key.strip()] = _value(value.strip())
+    name, options = algorithms.parse(text)
     spec = Spec(text, name, options)
     check(spec)
     return spec
@@ -100,7 +85,7 @@ def check(spec: Spec) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"contender {spec.name!r}: {key} must be a positive integer, got {value!r}")
         return
-    from .. import algorithms
+    from ... import algorithms
 
     if spec.name not in algorithms.names():
         raise ValueError(f"unknown contender {spec.name!r}; choose from {', '.join(all_specs())} (unison algorithms take options, e.g. powersgd:rank=2)")
@@ -131,7 +116,7 @@ def parse_list(text: Optional[str], quick: bool = False) -> list[Spec]:
 
 def all_specs() -> list[str]:
     """Every peer, then every unison algorithm with its defaults, then allreduce with autotuning."""
-    from .. import algorithms
+    from ... import algorithms
 
     return list(PEERS) + algorithms.names() + ["allreduce:autotune=true"]
 

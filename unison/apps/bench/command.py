@@ -15,7 +15,7 @@ from typing import Optional
 
 from rich.markup import escape
 
-from ..cli import positive_float, positive_int
+from ..argtypes import positive_float, positive_int
 from . import contenders, netem, report, runner, workloads
 
 

@@ -11,7 +11,7 @@ Built in:
 - ``digits``: scikit-learn's handwritten digits, a wide MLP (64-2048-2048-10,
   4.3M parameters, so communication matters); test accuracy, target 95%.
 - ``charlm``: the character-level transformer LM on the Python standard
-  library's source (``unison.workloads.charlm``); validation loss in nats per
+  library's source (``unison.apps.workloads.charlm``); validation loss in nats per
   character, target 2.0.
 - ``mlp``: a 22M-parameter MLP on synthetic data labelled by a fixed random
   linear teacher, for throughput on a communication-heavy model; held-out
@@ -131,7 +131,7 @@ def _mlp_net(dims: list[int]) -> nn.Sequential:
 
 
 def _digits(seed: int, settings: Settings) -> Workload:
-    from ..train import load_data
+    from ..workloads.digits import load_data
 
     data = load_data(seed, test_fraction=0.2)
     torch.manual_seed(seed)

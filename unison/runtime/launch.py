@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -174,6 +175,13 @@ def collective_timeout() -> Optional[datetime.timedelta]:
     return _timeout
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, for a rendezvous on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _apply_simulated_nodes(rank: int, world: int, local_rank: int, local_world: int, nodes: Optional[int]):
     if not nodes:
         return local_rank, local_world
@@ -298,13 +306,7 @@ def topology() -> Topology:
     return _topology if _topology is not None else Topology()
 
 
-def shutdown() -> None:
-    """Destroy the process group started by ``init()`` and forget the topology."""
+def forget_topology() -> None:
+    """Forget the Topology (``unison.shutdown()`` calls it)."""
     global _topology
     _topology = None
-    from .comm import forget_private_groups
-
-    forget_private_groups()
-    health.stop()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

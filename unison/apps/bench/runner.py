@@ -1,7 +1,7 @@
 """Runs every contender of a bench, one after another, each on fresh rank processes.
 
 Each contender gets its own processes (so one that crashes or hangs cannot
-take the others down): ``python -m unison.bench.worker`` per rank, inside its
+take the others down): ``python -m unison.apps.bench.worker`` per rank, inside its
 node's namespace (``ip netns exec``) when the network is emulated, on plain
 loopback otherwise. A contender whose ranks fail or overrun their time limit
 is recorded as failed with the first failing rank's error, and the bench goes
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-from ..train import free_port
+from ...runtime import free_port
 from . import contenders, netem, workloads
 
 
@@ -129,7 +129,7 @@ def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network
         }
         if net:
             env["GLOO_SOCKET_IFNAME"] = net.ifname(node)
-        argv = [sys.executable, "-m", "unison.bench.worker", cfg_path]
+        argv = [sys.executable, "-m", "unison.apps.bench.worker", cfg_path]
         if net:
             argv = net.exec_argv(node) + argv
         log = f"{log_prefix}-rank{rank}.log"

@@ -73,6 +73,11 @@ def average_(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]
     return pending.wire_bytes
 
 
+def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Average ``tensors`` in place across the group, coalesced (``reduce_function``'s default)."""
+    average_(tensors, group)
+
+
 def average_optimizer_states(optimizers, group) -> int:
     """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..buckets import Bucket, split
+from .buckets import Bucket, split
 
 
 class FlatState:

@@ -13,36 +13,51 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ..comm import ring_bytes, start
-from .base import Algorithm
+from ..engine.comm import ring_bytes, start
+from .base import Algorithm, State
+
+
+class CastState(State):
+    """One reusable wire buffer per bucket (no allocation per step)."""
+
+    __slots__ = ("wire",)
+
+    def __init__(self) -> None:
+        self.wire: dict[int, torch.Tensor] = {}
+
+    def state_dict(self) -> dict:
+        return {}
 
 
 class CastAllReduce(Algorithm):
-    """Allreduce of a bucket cast to ``wire_dtype``; half the bytes of fp32."""
+    """Allreduce of a bucket cast to ``wire_dtype``; half the bytes of fp32.
+
+    Example::
+
+        model = unison.DataParallel(net, algorithm="bf16")
+    """
 
     wire_dtype: ClassVar[torch.dtype]
-    defaults = {}
 
-    def setup(self, model) -> None:
-        self._wire: dict[int, torch.Tensor] = {}
+    def setup(self, replica) -> CastState:
+        return CastState()
 
-    def _wire_buffer(self, bucket) -> torch.Tensor:
-        """A reusable wire-dtype buffer the size of ``bucket`` (no per-step allocation)."""
-        buf = self._wire.get(bucket.index)
+    def _wire_buffer(self, state: CastState, bucket) -> torch.Tensor:
+        buf = state.wire.get(bucket.index)
         if buf is None or buf.numel() != bucket.flat.numel() or buf.device != bucket.flat.device:
-            buf = self._wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
+            buf = state.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
         return buf
 
-    def reduce_bucket(self, bucket, group):
+    def reduce_bucket(self, replica, state, bucket, group):
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
-        wire = self._wire_buffer(bucket)
+        wire = self._wire_buffer(state, bucket)
         wire.copy_(bucket.flat)
         future = start(dist.all_reduce, wire, group=group).get_future()
         flat = bucket.flat
         return future.then(lambda _: flat.copy_(wire))
 
-    def bucket_wire_bytes(self, bucket, world_size):
+    def bucket_wire_bytes(self, replica, state, bucket, world_size):
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 

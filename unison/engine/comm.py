@@ -1,5 +1,5 @@
-"""Small collective helpers built on torch.distributed: coalesced broadcast and
-cross-rank agreement checks."""
+"""Small collective helpers built on torch.distributed: launching work, coalesced
+broadcast, cross-rank agreement checks, and the communication thread."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from .buckets import MB
 
 
@@ -33,13 +34,6 @@ def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
-
-
-def src_rank(group: Optional[dist.ProcessGroup], group_rank: int = 0) -> int:
-    """The global rank of ``group_rank`` inside ``group`` (torch wants global ranks)."""
-    if group is None or group is dist.group.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
 
 
 def ring_bytes(nbytes: int, world: int) -> int:
@@ -84,16 +78,6 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def default_broadcast(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
     """Broadcast ``tensors`` in place from the group's first rank, coalesced."""
     AsyncBroadcast(tensors, group).finish()
-
-
-def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-    """Average ``tensors`` in place across the group, coalesced (``reduce_function``'s default)."""
-    from .averaging import average_  # averaging builds on this module
-
-    average_(tensors, group)
-
-
-BroadcastFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
 
 class AsyncBroadcast:
@@ -176,39 +160,3 @@ class CommThread:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-_private_groups: dict[tuple, Optional[dist.ProcessGroup]] = {}
-
-
-def private_group(group: Optional[dist.ProcessGroup], tag: Optional[str] = None) -> Optional[dist.ProcessGroup]:
-    """A process group with the same members as ``group``, for one user's own traffic.
-
-    Collectives on it never interleave with those on ``group`` (they run in
-    their own sequence), so a background thread can use it safely. With a
-    ``tag`` the group is created once and handed out again for the same
-    (group, tag), e.g. when an algorithm is switched away and back. For the
-    whole world every rank calls this in the same order; for a subgroup only
-    its members do (group-local synchronization).
-    """
-    if group is None:
-        return None
-    key = (group, tag)
-    if tag is not None and key in _private_groups:
-        return _private_groups[key]
-    from .runtime import collective_timeout
-
-    timeout = collective_timeout()
-    if group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
-        new = dist.new_group(timeout=timeout)
-    else:
-        ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
-        new = dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
-    if tag is not None:
-        _private_groups[key] = new
-    return new
-
-
-def forget_private_groups() -> None:
-    """Drop the cached groups (when the default process group is destroyed)."""
-    _private_groups.clear()

@@ -11,31 +11,8 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from . import algorithms
-
-
-def positive_int(text: str) -> int:
-    """An argparse type for counts that must be at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type for counts that may be 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type for rates that must be above 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+from .. import algorithms
+from .argtypes import non_negative_int, positive_float, positive_int
 
 
 def add_train_parser(subparsers) -> None:

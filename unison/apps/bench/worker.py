@@ -1,4 +1,4 @@
-"""One rank of one contender: ``python -m unison.bench.worker CONFIG.json``.
+"""One rank of one contender: ``python -m unison.apps.bench.worker CONFIG.json``.
 
 Started by the runner with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), inside the node's namespace when

@@ -2,7 +2,7 @@
 
 Each parameter's post-accumulate-grad hook moves its gradient into its bucket
 (scaled for averaging, fused with the copy). When a bucket is complete and
-every bucket before it has been launched, the algorithm's reduction starts, so
+every bucket before it has been launched, the policy's reduction starts, so
 communication overlaps the rest of backward and every rank issues the same
 sequence of collectives. At the end of backward (an autograd callback queued on
 the outermost backward), the buckets that never completed are launched in
@@ -12,6 +12,10 @@ average, one used on none keeps ``grad=None``.
 
 After the first synchronized backward the buckets are re-planned once from the
 order in which gradients really arrived (rank 0's order, broadcast).
+
+The reducer knows no algorithm: it asks its ``policy`` (``unison.events.Dispatcher``)
+whether a pass synchronizes, by what to scale, how to reduce a bucket, and tells
+it when the backward's reductions are complete.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_flatten
 
 from . import buckets as bucketing
-from . import comm, health, nonfinite
+from ..runtime import health
+from . import comm, nonfinite
 from .comm import src_rank, start
 
 
@@ -55,46 +61,69 @@ class GradBucket:
 
 
 class GradReducer:
-    """Buckets, hooks and the per-backward state machine of gradient averaging."""
+    """Buckets, hooks and the per-backward state machine of gradient averaging.
+
+    Args:
+        params, names: the parameters that require grad, and their names.
+        group: the process group gradients are averaged over.
+        policy: answers ``sync_gradients()``, ``grad_scale(world)``,
+            ``reduce_bucket(bucket, group)``, ``bucket_wire_bytes(bucket, world)``
+            and hears ``after_backward()`` (a ``Dispatcher``).
+        bucket_cap_bytes: the size of a bucket (the first is at most 1 MiB).
+        tag: a name unique to the owner, the same on every rank (private groups).
+        negotiate: agree each pass on which parameters have a gradient somewhere.
+        delay: reduce after backward instead of overlapping with it.
+        reduce_function: ``fn(tensors, group)`` replacing the policy's reduction.
+        nonfinite: None, "raise" or "skip" (``DataParallel(nonfinite=...)``).
+        decide_sync: asked once per pass instead of the forward's no_sync state
+            (DistributedOptimizer counts passes with it).
+        on_begin, on_end: called when a synchronized pass begins and when its
+            flags are settled (buffer broadcasts).
+        defers_completion: leave reductions in flight at the end of backward
+            (the policy completes them later through ``complete``).
+    """
 
     def __init__(
         self,
-        owner: torch.nn.Module,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
         group: Optional[dist.ProcessGroup],
-        algorithm,
+        policy,
         bucket_cap_bytes: int,
+        tag: str,
         negotiate: bool = True,
         delay: bool = False,
+        reduce_function: Optional[Callable] = None,
+        nonfinite: Optional[str] = None,
+        decide_sync: Optional[Callable[[], bool]] = None,
+        on_begin: Sequence[Callable[[], None]] = (),
+        on_end: Sequence[Callable[[], None]] = (),
+        defers_completion: bool = False,
     ):
-        self.owner = owner
         self.params = list(params)
         self.names = list(names)
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.algorithm = algorithm
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.policy = policy
         self.cap = bucket_cap_bytes
         self.first_cap = min(bucket_cap_bytes, bucketing.MB)
         self.negotiate = negotiate
         self.delay = delay
+        self.reduce_function = reduce_function
+        self.nonfinite = nonfinite
+        self.decide_sync = decide_sync
+        self.on_begin = list(on_begin)
+        self.on_end = list(on_end)
+        self.defers_completion = defers_completion
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        # Hooks users can add (see DataParallel.register_comm_hook).
+        # Hooks users add (DataParallel.register_comm_hook).
         self.comm_hook: Optional[tuple[Any, Callable]] = None
-        self.reduce_function: Optional[Callable] = None
-        self.before_sync: "OrderedDict[int, Callable]" = OrderedDict()
-        self.on_begin: list[Callable[[], None]] = []
-        # Decides, once per backward pass, whether it synchronizes (default: the
-        # forward's no_sync state). DistributedOptimizer counts passes with it.
-        self.decide_sync: Optional[Callable[[], bool]] = None
-        self.on_end: list[Callable[[], None]] = []
-        # Non-finite gradients (DataParallel(nonfinite=...)): None, "raise" or "skip".
-        self.nonfinite: Optional[str] = None
+        self.before_sync: "OrderedDict[int, Callable[[], None]]" = OrderedDict()
         self.skipped_steps = 0
         # Whether the last backward pass checked for non-finite gradients across the group.
         self.nonfinite_checked = False
         # Divide gradients by this many ranks instead of the group's size (join with
-        # divide_by_initial_world_size=False).
+        # divide_by_initial_world_size=False); see set_divisor.
         self.scale_world: Optional[int] = None
         # Counters.
         self.steps = 0
@@ -103,16 +132,43 @@ class GradReducer:
 
         self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
         self._replan_pending = True
-        self._flag_group = comm.private_group(group, f"{getattr(owner, 'serial', id(self))}/flags")
-        self._rank = dist.get_rank(group)
+        self._flag_group = comm.private_group(group, f"{tag}/flags")
+        self._rank = dist.get_rank(group) if group is not None else 0
         self._bad: Optional[int] = None
         self._unfinished = False
         self._has = self._flags = None
         self._waiting: dict[int, tuple[bucketing.Bucket, Any]] = {}
-        self._sync = True
+        self._sync = self._local_sync = True
         self._in_pass = False
         self._active = False
         self._handles_hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    # ---- what owners set ---------------------------------------------------
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """torch DDP's form: ``hook(state, bucket)`` returns a Future and replaces the reduction."""
+        if self.comm_hook is not None:
+            raise RuntimeError("a comm hook (state, hook) is already registered; it can be registered only once")
+        self.comm_hook = (state, hook)
+
+    def add_before_sync(self, fn: Callable[[], None]) -> RemovableHandle:
+        """Call ``fn()`` after backward, before gradients are synchronized (pfn's hook form)."""
+        handle = RemovableHandle(self.before_sync)
+        self.before_sync[handle.id] = fn
+        return handle
+
+    def set_divisor(self, ranks: Optional[int]) -> None:
+        """Average over ``ranks`` ranks instead of the group's size (None: the group's size)."""
+        self.scale_world = ranks
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether reductions of the last backward are still in flight."""
+        return self._unfinished
+
+    def bucket_of(self, param: torch.Tensor) -> Optional[int]:
+        """The index of the bucket holding ``param``'s gradient."""
+        i = self._index.get(id(param))
+        return None if i is None else self._bucket_of[i]
 
     # ---- set-up ---------------------------------------------------------
     def _set_buckets(self, groups: list[list[int]]) -> None:
@@ -125,6 +181,12 @@ class GradReducer:
                 self._bucket_of[i] = b.index
                 self._views[i] = view
         self._sizes = [len(b.indices) for b in self.buckets]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def plan(self, cap_bytes: int) -> list[list[int]]:
+        """The buckets (parameter positions) at ``cap_bytes`` each, in the current order."""
+        order = [i for b in self.buckets for i in b.indices]
+        return bucketing.plan(self.params, order, int(cap_bytes), min(int(cap_bytes), bucketing.MB))
 
     def set_bucket_cap(self, cap_bytes: int) -> None:
         """Re-plan the buckets at ``cap_bytes`` each, keeping the current order.
@@ -176,12 +238,13 @@ class GradReducer:
         if self._decide():
             self._begin()
         else:
+            self._local_sync = self._sync
             Variable._execution_engine.queue_callback(self._end_pass)
 
     def _decide(self) -> bool:
         """Whether this pass synchronizes (asked once per pass)."""
         sync = self._sync if self.decide_sync is None else self.decide_sync()
-        synced = bool(sync and self.algorithm.sync_gradients(self.owner))
+        synced = bool(sync and self.policy.sync_gradients())
         if not synced:
             self.nonfinite_checked = False
         return synced
@@ -196,7 +259,11 @@ class GradReducer:
         self._finalize()
 
     def _end_pass(self) -> None:
+        """End of a local pass: the user's before-sync hooks still run outside no_sync."""
         self._in_pass = False
+        if self._local_sync:
+            for fn in list(self.before_sync.values()):
+                fn()
 
     # ---- backward ------------------------------------------------------
     def _begin(self, queue: bool = True) -> None:
@@ -204,7 +271,7 @@ class GradReducer:
         self._active = True
         self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
         custom = self.comm_hook is not None or self.reduce_function is not None
-        self._scale = 1.0 if custom else self.algorithm.grad_scale(self.scale_world or self.world)
+        self._scale = 1.0 if custom else self.policy.grad_scale(self.scale_world or self.world)
         self._bad = None
         self._fired = [False] * len(self.params)
         self._pending = list(self._sizes)
@@ -277,9 +344,11 @@ class GradReducer:
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             handle = hook(state, GradBucket(bucket, b == len(self.buckets) - 1))
+        elif self.group is None:
+            handle = None  # one replica: its gradient is the average
         else:
-            handle = self.algorithm.reduce_bucket(bucket, self.group)
-        self._bytes += self.algorithm.bucket_wire_bytes(bucket, self.world)
+            handle = self.policy.reduce_bucket(bucket, self.group)
+        self._bytes += self.policy.bucket_wire_bytes(bucket, self.world)
         self._handles.append((bucket, handle))
 
     @health.translated("the gradient reduction of backward")
@@ -291,13 +360,13 @@ class GradReducer:
 
     def _finish_backward(self) -> None:
         self._launch_rest()
-        if not (self.algorithm.defers_completion and self._arrival is None):
+        if not (self.defers_completion and self._arrival is None):
             self.complete()
 
     def _launch_rest(self) -> None:
         """End of backward: launch what has not started, and the has-a-gradient flags."""
         for fn in list(self.before_sync.values()):
-            fn(self.owner)
+            fn()
         has = [True] * len(self.params)
         first_unlaunched = 0 if self._delayed else self._next
         for b in self.buckets[first_unlaunched:]:
@@ -312,7 +381,9 @@ class GradReducer:
                 self._launch(b)
         self._has = has
         self._flags = None
-        if self.negotiate or self.nonfinite is not None:
+        if self.group is None:
+            self._flags = (self._flag_tensor(has), None)
+        elif self.negotiate or self.nonfinite is not None:
             flags = self._flag_tensor(has)
             work = start(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._flag_group)
             self._flags = (flags, work)
@@ -355,7 +426,7 @@ class GradReducer:
         self._unfinished = False
         if self._arrival is not None:
             self._replan(self._arrival)
-        self.algorithm.after_backward(self.owner)
+        self.policy.after_backward()
 
     def _flag_tensor(self, has: list[bool]) -> torch.Tensor:
         """What the MAX allreduce at the end of backward agrees on: which parameters
@@ -372,7 +443,8 @@ class GradReducer:
         n, bad = len(self.params), None
         if self._flags is not None:
             flags, work = self._flags
-            work.wait()
+            if work is not None:
+                work.wait()
             used_anywhere = flags.tolist()
             if self.nonfinite is not None:
                 code = used_anywhere.pop()
@@ -402,7 +474,8 @@ class GradReducer:
         seen = set(arrival)
         order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=src_rank(self.group), group=self.group)
+        if self.group is not None:
+            dist.broadcast(t, src=src_rank(self.group), group=self.group)
         groups = bucketing.plan(self.params, t.tolist(), self.cap, self.first_cap)
         if groups != [b.indices for b in self.buckets]:
             self._set_buckets(groups)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,9 +28,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import unison
+from unison.runtime import free_port
+
+from .workloads.digits import Digits, load_data  # noqa: F401  (the job's data)
 
 
 # The qadam run's Adam step size and full-precision warm-up (in steps; an epoch is 23 on 2 ranks).
@@ -61,34 +62,6 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 #: Options a run resumed from a checkpoint must share with the run that wrote it.
 RESUME_MUST_MATCH = ("algorithm", "batch_size", "lr", "momentum", "seed", "test_fraction")
-
-
-@dataclass
-class Digits:
-    """The standardized train and test splits as tensors."""
-
-    train: TensorDataset
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_data(seed: int, test_fraction: float) -> Digits:
-    """Split the digits (stratified, seeded) and standardize with training statistics only,
-    so the test set stays unseen."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
-    scaler = StandardScaler().fit(x_train)
-    train = TensorDataset(features(scaler, x_train), torch.as_tensor(y_train, dtype=torch.long))
-    return Digits(train, features(scaler, x_test), torch.as_tensor(y_test, dtype=torch.long))
-
-
-def features(scaler, x) -> torch.Tensor:
-    """``x`` standardized by ``scaler``, as float32 (the model's dtype)."""
-    return torch.tensor(scaler.transform(x), dtype=torch.float32)
 
 
 def build_model(seed: int, n_in: int = 64, hidden: int = 128, n_out: int = 10) -> nn.Module:
@@ -324,13 +297,6 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "checkpoint": run.path,
     }
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, for the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(config: TrainConfig) -> dict[str, Any]:
