@@ -43,13 +43,13 @@ def tuned_run():
             opts[k].zero_grad()
             F.mse_loss(model(x), y).backward()
             opts[k].step()
-        if algs["tuned"].tuning is None and models["tuned"]._reducer.cap == slow_for:
+        if models["tuned"].algorithm_state.tuning is None and models["tuned"]._reducer.cap == slow_for:
             time.sleep(0.08)
     return {
-        "tuning": algs["tuned"].tuning,
-        "hier_tuning": algs["tuned_hier"].tuning,
-        "chosen": algs["tuned"].chosen_bucket_mb,
-        "gain": algs["tuned"].autotune_gain,
+        "tuning": models["tuned"].algorithm_state.tuning,
+        "hier_tuning": models["tuned_hier"].algorithm_state.tuning,
+        "chosen": models["tuned"].algorithm_state.chosen_bucket_mb,
+        "gain": models["tuned"].algorithm_state.autotune_gain,
         "cap": models["tuned"]._reducer.cap,
         "buckets": [b.indices for b in models["tuned"]._reducer.buckets],
         "diff": max_diff(nets["plain"], nets["tuned"]),
@@ -87,6 +87,7 @@ def test_autotune_must_be_a_bool():
     with pytest.raises(ValueError, match="autotune must be True or False"):
         unison.algorithms.create("allreduce", autotune="yes")
     alg = unison.algorithms.create("allreduce", autotune=True)
-    assert alg.tuning is None and alg.chosen_bucket_mb is None and alg.autotune_gain is None
+    state = unison.DataParallel(torch.nn.Linear(2, 2), algorithm=alg).algorithm_state  # what it built for a model
+    assert state.tuning is None and state.chosen_bucket_mb is None and state.autotune_gain is None
     assert "autotune=True" in alg.describe()
 

@@ -17,7 +17,7 @@ import launch
 import unison
 from models import MLP, BNNet, batch, image_batch
 from scenarios import spread_across_ranks
-from unison.algorithms.decentralized import ring_neighbours, round_robin_partner
+from unison.algorithms.gossip import ring_neighbours, round_robin_partner
 
 
 class TwoDtypes(torch.nn.Module):
@@ -123,7 +123,7 @@ def all_peers():
         train(model, opt, 1, start=s)
         spreads.append(spread_across_ranks(net))
     out["spreads_training"] = spreads
-    out["bytes"] = model.algorithm.bytes_sent
+    out["bytes"] = model.algorithm_state.bytes_sent
     out["rank"] = rank
     return out
 
@@ -140,7 +140,7 @@ def shift_one_rounds():
         matches = [j for j in range(len(before)) if j != rank and torch.equal(after.float(), (mine + before[j].float()) / 2)]
         partners.append(matches)
         exact.append(len(matches) == 1)
-    bytes_per_round = model.algorithm.bytes_sent / 3
+    bytes_per_round = model.algorithm_state.bytes_sent / 3
     numel = weights(net).numel()
     state = model.state_dict()["_unison_algorithm"]["state"]
     return {"partners": partners, "exact": exact, "bytes_per_round": bytes_per_round, "numel": numel, "steps": state["steps"]}
@@ -159,7 +159,7 @@ def ring_round():
     net, opt, model = make("decentralized", peer_selection="ring", momentum=0.9)
     before = idle_round(net, opt, 1)
     gap = (weights(net) - ring_average(before, rank)).abs().max().item()
-    bytes_sent = model.algorithm.bytes_sent
+    bytes_sent = model.algorithm_state.bytes_sent
     train(model, opt, 3)
     out = {"gap": gap, "bytes": bytes_sent, "numel": weights(net).numel(), "momenta_spread": momenta_spread(opt)}
     model.average()

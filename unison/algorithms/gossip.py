@@ -82,8 +82,14 @@ class FlatParams:
 
 def flat_params(module: torch.nn.Module) -> list[FlatParams]:
     """The module's trainable parameters grouped by dtype and device, in registration order."""
+    return flat_params_of(module.named_parameters())
+
+
+def flat_params_of(named_parameters) -> list[FlatParams]:
+    """The trainable ones of ``(name, parameter)`` pairs (``replica.named_parameters``), grouped
+    by dtype and device, in the order given."""
     groups: dict[tuple, tuple[list[str], list[torch.nn.Parameter]]] = {}
-    for name, p in module.named_parameters():
+    for name, p in named_parameters:
         if p.requires_grad:
             names, params = groups.setdefault((p.dtype, p.device), ([], []))
             names.append(name)

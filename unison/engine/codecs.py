@@ -112,3 +112,15 @@ def minmax_bytes(numel: int, chunks: int) -> int:
     """Wire size of ``quantize_minmax(x, chunks)`` for ``numel`` elements: codes plus side data."""
     size = max(1, -(-numel // chunks))
     return size * chunks + 8 * chunks
+
+
+#: Cast codecs: the dtypes a tensor may travel in, by option value (DASO's ``downcast_type``,
+#: DiLoCo's ``wire_dtype``).
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wire_dtype(value) -> "torch.dtype | None":
+    """The wire dtype named by ``value`` (a name of ``WIRE_DTYPES`` or one of its dtypes), else None."""
+    if isinstance(value, torch.dtype):
+        return value if value in WIRE_DTYPES.values() else None
+    return WIRE_DTYPES.get(value) if isinstance(value, str) else None

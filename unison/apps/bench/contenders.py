@@ -171,7 +171,7 @@ def _unison(spec: Spec, module, optimizer) -> Prepared:
             model.switch_to("allreduce")  # stops background threads (async) before shutdown
 
     def info():
-        tuning = getattr(model.algorithm, "tuning", None)
+        tuning = getattr(model.algorithm_state, "tuning", None)
         return {"autotune": tuning} if tuning else {}
 
     return Prepared(model, optimizer, end_epoch=model.end_epoch, flush=model.flush, finish=finish,

@@ -1,0 +1,100 @@
+"""The architecture holds: algorithms see only the Replica, modules stay small, the
+layers import downwards, and the example of a new algorithm in docs/ runs."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unison
+from tests import launch
+from tests.models import MLP, batch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "unison"
+ALGORITHMS = PACKAGE / "algorithms"
+# Lower layers first; a module may import only from its own layer or lower ones.
+LAYERS = ["runtime", "engine", "algorithms", "replica", "events", "join", "parallel", "optim", "checkpoint", "compat", "integrations", "apps"]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The unison modules ``path`` imports (absolute names)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.update(f"{name}.{a.name}" if not node.module else name for a in node.names)  # `from . import x`: x
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {n for n in out if n == "unison" or n.startswith("unison.")}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
+
+
+def test_algorithms_reach_nothing_but_the_replica():
+    for path in ALGORITHMS.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"model\._|getattr\(model", text), path.name
+        for name in _imports(path):
+            assert not name.startswith(("unison.parallel", "unison.optim", "unison.apps", "unison.join", "unison.checkpoint")), (path.name, name)
+
+
+def test_every_algorithm_module_is_at_most_200_lines():
+    for path in ALGORITHMS.glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 200, path.name
+
+
+def test_layers_import_downwards():
+    for path in PACKAGE.rglob("*.py"):
+        here = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        if here < 0:
+            continue
+        for name in _imports(path):
+            assert _layer(name) <= here, f"{path.relative_to(ROOT)} imports {name}, a layer above it"
+
+
+def test_the_library_never_imports_the_apps():
+    for path in PACKAGE.rglob("*.py"):
+        if "apps" in path.relative_to(PACKAGE).parts or path.name == "__main__.py":  # `python -m unison` runs the app
+            continue
+        assert not any(n.startswith("unison.apps") for n in _imports(path)), path
+
+
+def _docs_example():
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "architecture.md").read_text(), re.S)[0]
+    exec(code, {"__name__": "docs_example"})
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    model = unison.DataParallel(net, optimizer=opt, algorithm="every_so_often:period=4")
+    spreads = []
+    for step in range(8):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        spreads.append([p.detach().clone() for p in net.parameters()])
+    return {"weights": spreads, "sent": model.comm_stats["bytes_total"]}
+
+
+def test_the_new_algorithm_example_in_the_docs_runs():
+    r0, r1 = launch.run(_docs_example, 2)
+    differs = [any(not torch.equal(a, b) for a, b in zip(w0, w1)) for w0, w1 in zip(r0["weights"], r1["weights"])]
+    assert differs == [True, True, True, False, True, True, True, False]  # equal right after each 4th step
+    assert r0["sent"] > 0
