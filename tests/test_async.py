@@ -15,6 +15,7 @@ import unison
 from models import MLP, batch
 from scenarios import spread_across_ranks
 from unison.algorithms import async_ as async_average
+from unison.algorithms import averaging_thread
 
 #: A check that waits for something polls until this many seconds have passed.
 DEADLINE_S = 20.0
@@ -72,7 +73,7 @@ def update_rule(rank, world):
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     model = async_model(net, opt, sync_interval_ms=20, warmup_steps=0)
-    alg = model.algorithm
+    alg = model.algorithm_state
     start = [p.detach().clone() for p in net.parameters()]
     with torch.no_grad():
         for k, p in enumerate(net.parameters()):
@@ -113,7 +114,7 @@ def tight_loop(rank, world):
     net = MLP()
     opt = CheckedSGD(net.parameters(), lr=0.05)
     model = async_model(net, opt, sync_interval_ms=10, warmup_steps=5)
-    alg = model.algorithm
+    alg = model.algorithm_state
     losses = [train_step(model, opt, s, rank) for s in range(4)]
     result = {"running_in_warmup": alg.running}
     losses.append(train_step(model, opt, 4, rank))
@@ -135,14 +136,14 @@ def tight_loop(rank, world):
     result["average_s"] = time.monotonic() - t
     result["final_spread"] = spread_across_ranks(net)
     state = model.state_dict()["_unison_algorithm"]
-    fresh = unison.algorithms.create("async")
+    fresh = async_average.AsyncState()
     fresh.load_state_dict(state["state"])
     result["state"] = (state["name"], fresh.state_dict() == alg.state_dict(), alg.bytes_sent > 0)
     result["comm_stats_count_it"] = model.comm_stats["bytes_total"] >= alg.bytes_sent
     model.switch_to("allreduce")
     train_step(model, opt, 0, rank)
     model.switch_to(unison.algorithms.create("async", sync_interval_ms=10, warmup_steps=0))
-    again = model.algorithm
+    again = model.algorithm_state
     train_step(model, opt, 1, rank)
     result["rounds_after_switching_back"] = wait_until(lambda: again.rounds >= 2)
     model.switch_to("allreduce")
@@ -156,9 +157,9 @@ def failing_average(*args, **kwargs):
 def train_until_error(model, opt, rank, inject: bool):
     """Train (with the background averaging made to fail if ``inject``) until the
     training thread raises, or DEADLINE_S passes; return the exception or None."""
-    real = async_average.AsyncAverage
+    real = averaging_thread.AsyncAverage
     if inject:
-        async_average.AsyncAverage = failing_average
+        averaging_thread.AsyncAverage = failing_average
     deadline = time.monotonic() + DEADLINE_S
     try:
         step = 1
@@ -170,7 +171,7 @@ def train_until_error(model, opt, rank, inject: bool):
             step += 1
         return None
     finally:
-        async_average.AsyncAverage = real
+        averaging_thread.AsyncAverage = real
 
 
 def errors_surface(rank, world):
@@ -179,7 +180,7 @@ def errors_surface(rank, world):
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     model = async_model(net, opt, sync_interval_ms=10, warmup_steps=0)
-    alg = model.algorithm
+    alg = model.algorithm_state
     train_step(model, opt, 0, rank)
     caught = train_until_error(model, opt, rank, inject=True)
     result = {
@@ -216,13 +217,13 @@ def peer_tears_down(rank, world, how):
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     model = async_model(net, opt, sync_interval_ms=10, warmup_steps=0)
-    alg = model.algorithm
+    alg = model.algorithm_state
     train_step(model, opt, 0, rank)
     dist.barrier()
     result = {}
     if rank == 0:
         if how == "teardown":
-            alg.teardown(model)
+            model.close()
             result["stopped"] = not alg.running
         else:
             del model, opt, net
@@ -244,6 +245,9 @@ def peer_tears_down(rank, world, how):
     return result
 
 
+_kept: list = []
+
+
 def peer_exits(rank, world):
     """Rank 0 returns (and its process exits) with its thread running: rank 1's
     next exchange fails and the error reaches its training thread."""
@@ -254,6 +258,7 @@ def peer_exits(rank, world):
     train_step(model, opt, 0, rank)
     dist.barrier()
     if rank == 0:
+        _kept.append(model)  # alive until the process exits (a returned-from local would be collected: a clean stop)
         return {"left": True}
     caught, step, deadline = None, 1, time.monotonic() + DEADLINE_S
     while caught is None and time.monotonic() < deadline:

@@ -104,9 +104,10 @@ def test_options_and_state_without_error_feedback():
     alg = unison.algorithms.create("bytegrad")
     assert isinstance(alg, ByteGrad) and alg.options == {"error_feedback": False, "chunk_size": 1024}
     assert "bytegrad" in unison.algorithms.names()
-    assert alg.state_dict() == {}
+    state = unison.DataParallel(MLP(), algorithm=alg).algorithm_state  # what it built for a model
+    assert state.state_dict() == {}
     with pytest.raises(ValueError, match="error_feedback=True"):
-        alg.load_state_dict({"residuals": {"w": torch.zeros(2)}})
+        state.load_state_dict({"residuals": {"w": torch.zeros(2)}})
 
 
 # ---- on real ranks ------------------------------------------------------------

@@ -76,33 +76,33 @@ def check_phases(downcast: str) -> dict:
         t.train()
         out["warm"].append(spreads(gather(flat(t.net)), per_node)[1])
     t.model.end_epoch(1.0)
-    out["cycling"] = (t.algo.global_skip, t.algo.local_skip, t.algo.batches_to_wait)
+    out["cycling"] = (t.model.algorithm_state.global_skip, t.model.algorithm_state.local_skip, t.model.algorithm_state.batches_to_wait)
     sent = None
     for epoch in (1, 2):
         for _ in range(10):
-            sent_before, received_before = t.algo.syncs_sent, t.algo.syncs_received
+            sent_before, received_before = t.model.algorithm_state.syncs_sent, t.model.algorithm_state.syncs_received
             t.train()
             pre, now = gather(t.pre), gather(flat(t.net))
             node, world = spreads(now, per_node)
             out["node"].append(node)
             out["between"] = max(out["between"], world)
-            if t.algo.syncs_received > received_before:
+            if t.model.algorithm_state.syncs_received > received_before:
                 k, b, mean = sent
                 for r in range(len(now)):
                     x = pre[r - r % per_node + k]
                     expected = (2 * b * x + nodes * mean) / (2 * b + nodes)
                     out["merge_err"] = max(out["merge_err"], (now[r] - expected).abs().max().item())
                 out["merges"] += 1
-            if t.algo.syncs_sent > sent_before:
-                k, b = t.algo.pending_sync.local_rank, t.algo.pending_sync.batches_to_wait
+            if t.model.algorithm_state.syncs_sent > sent_before:
+                k, b = t.model.algorithm_state.pending_sync.local_rank, t.model.algorithm_state.pending_sync.batches_to_wait
                 sent = (k, b, sum(pre[n * per_node + k] for n in range(nodes)) / nodes)
         t.model.end_epoch(1.0 / epoch)
         out["epoch_end"].append(spreads(gather(flat(t.net)), per_node)[1])
-    out["cooldown"] = (t.algo.global_skip, t.algo.local_skip, t.algo.batches_to_wait)
+    out["cooldown"] = (t.model.algorithm_state.global_skip, t.model.algorithm_state.local_skip, t.model.algorithm_state.batches_to_wait)
     for _ in range(4):
         t.train()
         out["cool"].append(spreads(gather(flat(t.net)), per_node)[1])
-    out["bytes"] = t.algo.bytes_sent
+    out["bytes"] = t.model.algorithm_state.bytes_sent
     return out
 
 
@@ -111,13 +111,13 @@ def check_schedule() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = Trainer(warmup_epochs=0, max_global_skips=8)
     slope = 0.04 * (rank - (world - 1) / 2)  # rank 0's own loss improves; the average does not
-    seen = [(t.algo.global_skip, t.algo.local_skip, t.algo.batches_to_wait)]
+    seen = [(t.model.algorithm_state.global_skip, t.model.algorithm_state.local_skip, t.model.algorithm_state.batches_to_wait)]
     for e in range(1, 14):
         t.model.end_epoch(1.0 + slope * e)
-        seen.append((t.algo.global_skip, t.algo.local_skip, t.algo.batches_to_wait))
+        seen.append((t.model.algorithm_state.global_skip, t.model.algorithm_state.local_skip, t.model.algorithm_state.batches_to_wait))
     for _ in range(3):  # an improvement restarts the count: 2 flat epochs after it are not yet a plateau
         t.model.end_epoch(0.5)
-    seen.append((t.algo.global_skip, t.algo.plateau_bad))
+    seen.append((t.model.algorithm_state.global_skip, t.model.algorithm_state.plateau_bad))
     return {"seen": seen}
 
 
@@ -127,14 +127,14 @@ def check_local_skip() -> dict:
     t = Trainer(warmup_epochs=0, max_global_skips=8)
     for _ in range(10):
         t.model.end_epoch(1.0)  # 3 flat epochs per halving: 4 -> 2 -> 1 -> reset
-    schedule = (t.algo.global_skip, t.algo.local_skip, t.algo.batches_to_wait)
+    schedule = (t.model.algorithm_state.global_skip, t.model.algorithm_state.local_skip, t.model.algorithm_state.batches_to_wait)
     node_spread, after_merge = [], []
     for _ in range(12):
-        received = t.algo.syncs_received
+        received = t.model.algorithm_state.syncs_received
         t.train()
         node = spreads(gather(flat(t.net)), per_node)[0]
         node_spread.append(node)
-        if t.algo.syncs_received > received:
+        if t.model.algorithm_state.syncs_received > received:
             after_merge.append(node)
     return {"schedule": schedule, "node": node_spread, "after_merge": after_merge}
 
@@ -151,24 +151,24 @@ def check_state_average_scaler() -> dict:
     for _ in range(5):  # batch 4 sends; its merge would come at batch 5
         t.train()
     state = t.model.state_dict()["_unison_algorithm"]["state"]
-    in_flight = t.algo.pending_sync is not None
+    in_flight = t.model.algorithm_state.pending_sync is not None
     t.model.average()
     after_average = spreads(gather(flat(t.net)), per_node)[1]
 
     u = Trainer(warmup_epochs=1, max_global_skips=8)
     u.model.load_state_dict(t.model.state_dict())
-    restored = u.algo.state_dict()
+    restored = u.model.algorithm_state.state_dict()
     for _ in range(4):
         u.train()
     continued = spreads(gather(flat(u.net)), per_node)[0]
 
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    u.algo.add_scaler(scaler)
-    batches = u.algo.batches
+    u.model.add_scaler(scaler)
+    batches = u.model.algorithm_state.batches
     for i in range(6):
         u.train(scaler, bad=(i == 2 and topo.node == 0))
     u.model.end_epoch(1.0)
-    counts = gather(torch.tensor([float(u.algo.batches - batches), float(u.algo.epoch)]))
+    counts = gather(torch.tensor([float(u.model.algorithm_state.batches - batches), float(u.model.algorithm_state.epoch)]))
     final = spreads(gather(flat(u.net)), per_node)[1]
 
     u.model.switch_to("allreduce")

@@ -103,7 +103,7 @@ def check_sync_and_hand() -> dict:
             snap = [p - lr * (gi + m * b) for p, gi, b in zip(snap, g, buf)]
             errors.append(largest_gap(snap, params(net)))
     out["hand_errors"] = errors
-    out["hand_buffer_error"] = largest_gap(buf, [model.algorithm.outer.state[p]["momentum_buffer"] for p in model.algorithm.snapshot])
+    out["hand_buffer_error"] = largest_gap(buf, [model.algorithm_state.outer.state[p]["momentum_buffer"] for p in model.algorithm_state.snapshot])
     return out
 
 
@@ -124,7 +124,7 @@ def check_wire_and_overlap() -> dict:
         model = diloco(net, opt, inner_steps=4, wire_dtype=wire)
         for s in range(12):
             train_step(model, opt, *batch(s, rank))
-        out["bytes"][wire] = model.algorithm.bytes_sent
+        out["bytes"][wire] = model.algorithm_state.bytes_sent
         out.setdefault("comm_stats", {})[wire] = model.comm_stats["bytes_total"]
         finals[wire] = net
     out["gap"] = {w: max_diff(finals["fp32"], finals[w]) for w in ("bf16", "fp16")}
@@ -161,7 +161,7 @@ def check_wire_and_overlap() -> dict:
     for s in range(120):
         x = torch.randn(16, DIN, generator=g)
         train_step(model, opt, x, x @ teacher)
-    out["in_flight_before_average"] = model.algorithm._pending is not None
+    out["in_flight_before_average"] = model.algorithm_state.pending is not None
     out["spread_before_average"] = spread_across_ranks(net)
     model.average()
     out["spread_after_average"] = spread_across_ranks(net)
@@ -190,7 +190,7 @@ def check_state() -> dict:
         fresh = diloco(fresh_net, fresh_opt, inner_steps=4, overlap=overlap)
         fresh.load_state_dict(saved)
         fresh_opt.load_state_dict(saved_opt)
-        restored_steps = fresh.algorithm.steps
+        restored_steps = fresh.algorithm_state.steps
         gaps = []
         for s in range(save_at, save_at + 10):
             x, y = batch(s, rank)
@@ -201,7 +201,7 @@ def check_state() -> dict:
             "gaps": gaps,
             "steps": restored_steps,
             "keys": sorted(saved["_unison_algorithm"]["state"]),
-            "has_momentum": bool(fresh.algorithm.outer.state),
+            "has_momentum": bool(fresh.algorithm_state.outer.state),
         }
     return out
 
@@ -284,7 +284,7 @@ def test_checkpoint_round_trip():
         ({"nesterov": "yes"}, "nesterov must be True or False"),
         ({"overlap": 1}, "overlap must be True or False"),
         ({"wire_dtype": "int8"}, "wire_dtype must be one of 'fp32', 'bf16', 'fp16'"),
-        ({"period": 4}, "has no option 'period'"),
+        ({"communication_interval": 4}, "has no option 'communication_interval'"),
     ],
 )
 def test_bad_options(options, message):
@@ -309,6 +309,6 @@ def test_single_process_runs_the_outer_step_locally():
         x, y = batch(s, 0)
         train_step(model, opt, x, y)
         train_step(plain, plain_opt, x, y)
-    assert model.algorithm.steps == 7 and model.algorithm.bytes_sent == 0
+    assert model.algorithm_state.steps == 7 and model.algorithm_state.bytes_sent == 0
     assert max_diff(net, plain) < 1e-6
     assert max_diff(net, start) > 1e-3

@@ -44,7 +44,7 @@ def flat_run():
     out["state"] = state
     fresh = unison.DataParallel(copy.deepcopy(base), optimizer=torch.optim.SGD(base.parameters(), lr=0.05), algorithm="local_sgd")
     fresh.load_state_dict(models["local_sgd"].state_dict())
-    out["restored_steps"] = fresh.algorithm.steps
+    out["restored_steps"] = fresh.algorithm_state.steps
     models["local_sgd"].average()
     out["after_average"] = spread_across_ranks(nets["local_sgd"])
     out["bytes"] = models["local_sgd"].comm_stats["bytes_total"]

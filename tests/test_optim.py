@@ -311,7 +311,7 @@ def after_warmup_and_round_trip():
     }
 
     # The momentum the algorithm keeps is the one the optimizer steps with.
-    momentum = db.algorithm.state_dict()["momentum"]
+    momentum = db.algorithm_state.state_dict()["momentum"]
     out["momentum_is_exp_avg"] = all(torch.equal(momentum[n], ob.state[p]["exp_avg"]) for n, p in db.module.named_parameters())
 
     model_state, opt_state = copy.deepcopy(db.state_dict()), copy.deepcopy(ob.state_dict())
@@ -323,7 +323,7 @@ def after_warmup_and_round_trip():
         train_step(db, ob, *regression(s, rank))
         train_step(fresh, fresh_opt, *regression(s, rank))
     out["round_trip_diff"] = max_diff(db, fresh)
-    after, restored = db.algorithm.state_dict()["momentum"], fresh.algorithm.state_dict()["momentum"]
+    after, restored = db.algorithm_state.state_dict()["momentum"], fresh.algorithm_state.state_dict()["momentum"]
     out["round_trip_momentum"] = sorted(after) == sorted(restored) and all(torch.equal(after[n], restored[n]) for n in after)
     out["saved_momentum"] = len(model_state.get("_unison_algorithm", {}).get("state", {}).get("momentum", {}))
     out["params"] = len(list(db.parameters()))

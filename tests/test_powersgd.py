@@ -118,7 +118,7 @@ def check_low_rank_exact() -> dict:
             F.mse_loss(m(x), y).backward()
         errors.append((ref.module.weight.grad - model.module.weight.grad).abs().max().item())
         scale = max(scale, ref.module.weight.grad.abs().max().item())
-    residual = model.algorithm.state_dict()["residuals"]["weight"]
+    residual = model.algorithm_state.state_dict()["residuals"]["weight"]
     return {"errors": errors, "scale": scale, "residual": residual.abs().max().item()}
 
 
@@ -139,7 +139,7 @@ def check_error_feedback() -> dict:
             F.mse_loss(m(x), y).backward()
             for t, g in zip(total, grads(m)):
                 t.add_(g)
-    residuals = model.algorithm.state_dict()["residuals"]
+    residuals = model.algorithm_state.state_dict()["residuals"]
     names = [n for n, _ in model.module.named_parameters()]
     summed = []
     for name in names:
@@ -173,13 +173,13 @@ def check_state_round_trip() -> dict:
     torch.manual_seed(6)
     c = dp(MLP(hidden=32), rank=1, start_iter=1)
     c.module.load_state_dict({k: v for k, v in saved.items() if not k.startswith("_unison")})
-    c.algorithm.steps = a.algorithm.steps
+    c.algorithm_state.steps = a.algorithm_state.steps
     torch.manual_seed(6)
     d = dp(MLP(hidden=32), rank=1, start_iter=1)
     no_q = dict(saved)
     no_q["_unison_algorithm"] = {**saved["_unison_algorithm"], "state": {**saved["_unison_algorithm"]["state"], "qs": {}}}
     d.load_state_dict(no_q)
-    steps = (a.algorithm.steps, b.algorithm.steps)
+    steps = (a.algorithm_state.steps, b.algorithm_state.steps)
     before = max_diff(a.module, b.module)
     for m in (a, b, c, d):
         train_step(m, torch.optim.SGD(m.parameters(), lr=0.05), *batch(4, rank))

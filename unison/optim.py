@@ -99,17 +99,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._connect(named)
         self._replica = Replica(named, [], self.optimizers, self.process_group, tag=self.serial, bucket_cap_mb=bucket_cap_mb)
         self._events = Dispatcher(self.algorithm, self._replica)
-        self._step_hook = optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt))
+        self._step_hooks = [
+            optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: self._replica.run_before_step(opt)),
+            optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt)),
+        ]
         self._build_reducer()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._replica.record_step(optimizer)
-        self._events.after_step(optimizer)
+        try:
+            self._events.after_step(optimizer)
+        finally:
+            self._replica.run_after_step(optimizer)
 
     def close(self) -> None:
         """Stop averaging: remove the hooks on the parameters and the wrapped optimizer."""
         self._events.teardown()
-        self._step_hook.remove()
+        for handle in self._step_hooks:
+            handle.remove()
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = self._replica.engine = None

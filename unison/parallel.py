@@ -433,14 +433,17 @@ class DataParallel(nn.Module):
 
     @health.translated("optimizer.step()")
     def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
-        """Before a registered optimizer's step: tell joined ranks, check gradients if asked."""
+        """Before a registered optimizer's step: the algorithm's pre-step hooks, tell joined ranks,
+        check gradients if asked."""
+        if not shadow:
+            self._replica.run_before_step(optimizer)
         if self.process_group is None or id(optimizer) in self._replica.replaced_steps:
             return  # nonblocking runs the real step layer by layer inside forward
         if self._join is not None and not shadow:
             self._join.notify(STEP + self.optimizers.index(optimizer))
         if self.nonfinite is not None and optimizer is self.optimizers[0]:
             r = self._reducer
-            covered = r is not None and r.nonfinite_checked and dist.get_world_size(r.group) == self.world_size
+            covered = r is not None and r.nonfinite_checked and r.group is not None and dist.get_world_size(r.group) == self.world_size
             if not covered:
                 self._check_finite_at_step(shadow)
 
@@ -467,7 +470,11 @@ class DataParallel(nn.Module):
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         if id(optimizer) not in self._replica.replaced_steps:
             self._replica.record_step(optimizer)  # a replaced step() counted itself when it was called
-        self._events.after_step(optimizer)
+        try:
+            self._events.after_step(optimizer)
+        finally:
+            if not shadow:
+                self._replica.run_after_step(optimizer)
 
     def end_epoch(self, loss: Optional[float] = None) -> None:
         """Tell the algorithm an epoch ended (schedules such as DASO's use the loss)."""

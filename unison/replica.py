@@ -73,6 +73,8 @@ class Replica:
         self._patches: list[tuple[Any, str, Any]] = []
         self._scaler_fns: list[Callable[[Any], None]] = []
         self._scaler_patches: list[tuple[Any, Callable]] = []
+        self._step_before: list[Callable] = []
+        self._step_after: list[Callable] = []
         self.replaced_steps: set[int] = set()
 
     # ---- what is trained ------------------------------------------------------
@@ -144,12 +146,22 @@ class Replica:
         self._handles.append(module.register_forward_pre_hook(lambda _m, _inputs: fn()))
 
     def on_optimizer_step(self, before: Optional[Callable] = None, after: Optional[Callable] = None) -> None:
-        """Call ``before(optimizer)`` / ``after(optimizer)`` around every registered optimizer's step."""
-        for opt in self.optimizers:
-            if before is not None:
-                self._handles.append(opt.register_step_pre_hook(lambda o, _a, _k: before(o)))
-            if after is not None:
-                self._handles.append(opt.register_step_post_hook(lambda o, _a, _k: after(o)))
+        """Call ``before(optimizer)`` / ``after(optimizer)`` around every registered optimizer's
+        step (from the wrapper's own step hooks: ``after`` runs after the algorithm's after_step)."""
+        if before is not None:
+            self._step_before.append(before)
+        if after is not None:
+            self._step_after.append(after)
+
+    def run_before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The wrapper's pre-step hook calls this."""
+        for fn in list(self._step_before):
+            fn(optimizer)
+
+    def run_after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The wrapper's post-step hook calls this, last."""
+        for fn in list(self._step_after):
+            fn(optimizer)
 
     def replace_optimizer_methods(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable) -> tuple[Callable, Callable]:
         """Make ``optimizer.step(closure=None)`` call ``step(optimizer, closure)`` and ``zero_grad``
@@ -206,6 +218,7 @@ class Replica:
             else:
                 setattr(obj, attr, previous)
         self._handles, self._patches, self._scaler_fns = [], [], []
+        self._step_before, self._step_after = [], []
         self.replaced_steps = set()
 
     # ---- when a training step ends -------------------------------------------------

@@ -58,7 +58,7 @@ class LocalSGD(Algorithm):
     replicas_drift = True
     needs_optimizers = True
     period = Int(16, aliases=("communication_interval",), doc="steps between two averages")
-    warmup_steps = Int(0, minimum=0, doc="steps of synchronous gradient averaging first")
+    warmup_steps = Int(0, minimum=0, what="an integer of at least 0", doc="steps of synchronous gradient averaging first")
     hierarchical = Bool(False, doc="also average inside each node every local_period steps")
     local_period = Int(2, doc="steps between two averages inside a node")
 

@@ -1,217 +1,150 @@
 """Low-precision decentralized training: ring neighbours exchange 8-bit weight differences.
 
-Every rank ``i`` keeps, besides its weights ``x_i``, three flat copies of the
-trainable parameters: its own *public* copy ``p_i`` (what its neighbours
-believe its weights are) and *replicas* ``p_left``, ``p_right`` of its ring
-neighbours' public copies. All start equal to the weights, which are the same
-on every rank when the algorithm is set up. Every ``communication_interval``
-optimizer steps, right after the step, each rank:
-
-1. quantizes the difference ``d_i = x_i - p_i`` to 8 bits (min-max per chunk
-   of ``CHUNK_SIZE`` elements, ``unison.compress``) and sends the same bytes to
-   both neighbours, receiving theirs;
-2. decodes every message and adds it: ``p_i += Q(d_i)``,
-   ``p_left += Q(d_left)``, ``p_right += Q(d_right)``. Sender and receivers
-   decode the same bytes the same way, so a rank's public copy and its
-   neighbours' replicas of it stay bit-identical;
-3. sets its weights to the uniform average of the public copies in its
-   neighbourhood: ``x_i <- (p_left + p_i + p_right) / 3``.
-
-This is the gossip step of decentralized SGD applied to the public copies,
-with the uniform 1/3 weights of Bagua's low-precision decentralized
-algorithm. A round's rounding moves the mixed weights by at most half a
-quantization step of each difference (weighted 1/3), and it does not pile up:
-the next difference ``x_i - p_i`` is taken against the public copy as it really
-is, so the public copies keep tracking the weights.
-
-With 2 ranks the left and right neighbours are the same rank: each rank keeps
-one replica, sends its message once, and both set their weights to
-``(p_0 + p_1) / 2``, which is then bit-identical on the two ranks (each holds
-the same two copies). With 3 or more the neighbours are distinct. Only
-trainable parameters are exchanged; buffers stay local (as in
-"decentralized"). ``model.average()`` also averages the optimizers' states
-(see "decentralized") and leaves all ranks identical.
-
-The state dict holds the step counter, the public copy and the replicas (keyed
-by the neighbour's rank) per parameter name. The first round after
-``load_state_dict`` refreshes the replicas from the neighbours' public copies
-in full precision (every rank must load, as for any resumption), so a
-checkpoint saved on rank 0 alone and loaded everywhere is consistent too; with
-each rank's own checkpoint the refresh reproduces the replicas exactly.
+Each rank keeps a public copy of its weights and replicas of its ring
+neighbours' public copies. Every ``period`` steps it sends ``Q(x - public)``
+(``unison.engine.codecs``, 8-bit min-max) to both neighbours, adds every
+decoded difference to the matching copy, and sets its weights to the average
+of the copies in its neighbourhood (Bagua's algorithm).
+See docs/algorithms.md#low_precision_decentralized.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-import torch
+from ..engine.codecs import MinMax8
+from .base import Algorithm, State
+from .gossip import FlatParams, exchange, flat_params_of, ring_neighbours
+from .options import Int
+from .periodic import StepCount
 
-from .. import comm
-from ..compress import decode_rows, encode_rows_, minmax_params
-from .base import check_int, require_optimizers
-from .decentralized import FlatParams, PeriodicMixing, exchange, flat_params, ring_neighbours
-
-#: Elements per quantization chunk (each has its own float32 min and scale).
+#: Values per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
-#: Side data per chunk: a float32 min and a float32 scale.
-SIDE_BYTES = 8
 
 
-class Message:
-    """The reusable buffers of one flat group's 8-bit message: side data first, then the codes.
+class Copies:
+    """One flat group's public copy, neighbour replicas, codec and message buffers."""
 
-    A message is one uint8 tensor: the chunks' float32 mins and scales (as
-    bytes), then one code per element padded to ``chunks * size``.
-    """
-
-    def __init__(self, numel: int, device: torch.device, chunk_size: int = CHUNK_SIZE):
-        self.numel = numel
-        self.chunks = max(1, -(-numel // chunk_size))
-        self.size = max(1, -(-numel // self.chunks))
-        self.side_bytes = SIDE_BYTES * self.chunks
-        self.nbytes = self.side_bytes + self.chunks * self.size
-        self.work = torch.empty(self.chunks * self.size, dtype=torch.float32, device=device)
-        self.send = self.empty()
-
-    def empty(self) -> torch.Tensor:
-        """A new message buffer."""
-        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.work.device)
-
-    def _parts(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of a message: mins, scales (float32 ``[chunks]``) and codes (``[chunks, size]``)."""
-        side = message[: self.side_bytes].view(torch.float32).view(2, self.chunks)
-        return side[0], side[1], message[self.side_bytes :].view(self.chunks, self.size)
-
-    def encode(self, x: torch.Tensor, public: torch.Tensor) -> torch.Tensor:
-        """Quantize ``x - public`` into the send buffer (returned)."""
-        n = self.numel
-        diff = self.work[:n]
-        diff.copy_(x)
-        diff.sub_(public)
-        self.work[n:] = self.work[n - 1]
-        rows = self.work.view(self.chunks, self.size)
-        mins, scales, codes = self._parts(self.send)
-        found_mins, found_scales = minmax_params(rows)
-        mins.copy_(found_mins)
-        scales.copy_(found_scales)
-        encode_rows_(rows, mins, scales, codes)
-        return self.send
-
-    def decode(self, message: torch.Tensor) -> torch.Tensor:
-        """The values a message carries (a view of the work buffer, valid until the next call)."""
-        mins, scales, codes = self._parts(message)
-        return decode_rows(codes, mins, scales, self.work.view(self.chunks, self.size)).view(-1)[: self.numel]
-
-
-class _Copies:
-    """One flat group's public copy, neighbour replicas and message buffers."""
-
-    def __init__(self, flat: FlatParams, neighbours: list[int]):
+    def __init__(self, flat: FlatParams, neighbours: list[int]) -> None:
         self.flat = flat
         start = flat.gather()
         self.public = start.clone()
         self.replicas = [start.clone() for _ in neighbours]
-        self.message = Message(flat.numel, start.device)
-        self.received = [self.message.empty() for _ in neighbours]
+        self.codec = MinMax8(flat.numel, chunk_size=CHUNK_SIZE, device=start.device)
+        self.send = self.codec.empty()
+        self.received = [self.codec.empty() for _ in neighbours]
         self.mix = flat.like()
 
+    def decoded(self, message):
+        """The difference ``message`` carries (a view of the codec's buffer, valid until the next call)."""
+        return self.codec.decode(message).view(-1)[: self.flat.numel]
 
-class LowPrecisionDecentralized(PeriodicMixing):
-    """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
 
-    Options:
-        communication_interval: optimizer steps between two rounds (1: every step).
-    """
+class LowPrecisionState(State):
+    """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
-    name = "low_precision_decentralized"
-    defaults = {"communication_interval": 16}
+    __slots__ = ("count", "rank", "group", "neighbours", "copies", "refresh", "loaded")
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.neighbours: list[int] = []
-        self._copies: list[_Copies] = []
-        self._refresh = False
-        self._loaded: dict[str, Any] = {}
+    def __init__(self, count: StepCount, rank: int, group=None, neighbours: Optional[list[int]] = None, copies: Optional[list[Copies]] = None) -> None:
+        self.count, self.rank, self.group = count, rank, group
+        self.neighbours = neighbours or []
+        self.copies = copies or []
+        self.refresh = False  # the next round first resends the public copies in full precision
+        self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
 
-    def validate(self) -> None:
-        """communication_interval is a positive int."""
-        check_int(self.options, "communication_interval")
-
-    def setup(self, model) -> None:
-        """Open the private group; start the public copy and the replicas from the current weights."""
-        require_optimizers(model, self.name)
-        self._rank = model.rank
-        if model.process_group is None or model.world_size == 1:
-            return
-        self.group = comm.private_group(model.process_group, f"{model.serial}/low_precision_decentralized")
-        self.neighbours = ring_neighbours(model.rank, model.world_size)
-        self._copies = [_Copies(f, self.neighbours) for f in flat_params(model.module)]
-        if "public" in self._loaded:
-            self._restore(self._loaded)
-
-    def teardown(self, model) -> None:
-        """Drop the copies and buffers (the private group stays cached for a switch back)."""
-        self._copies = []
-        super().teardown(model)
-
-    def _round(self, model, round_index: int) -> None:
-        """Send, receive and apply the 8-bit differences, then mix (see the module's doc)."""
-        if self._refresh:
-            self._refresh_replicas()
-        sends, recvs = [], []
-        for tag, c in enumerate(self._copies):
-            message = c.message.encode(c.flat.gather(), c.public)
-            sends += [(message, peer, tag) for peer in self.neighbours]
-            recvs += [(buf, peer, tag) for buf, peer in zip(c.received, self.neighbours)]
-            self.bytes_sent += c.message.nbytes * len(self.neighbours)
-        exchange(sends, recvs, self.group)
-        k = len(self.neighbours)
-        for c in self._copies:
-            c.public.add_(c.message.decode(c.message.send))
-            for replica, received in zip(c.replicas, c.received):
-                replica.add_(c.message.decode(received))
-            c.mix.copy_(c.public)
-            for replica in c.replicas:
-                c.mix.add_(replica)
-            c.flat.scatter(c.mix.div_(k + 1))
-
-    def _refresh_replicas(self) -> None:
-        """Overwrite the replicas with the neighbours' public copies, sent in full precision."""
-        sends, recvs = [], []
-        for tag, c in enumerate(self._copies):
-            sends += [(c.public, peer, tag) for peer in self.neighbours]
-            recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, self.neighbours)]
-            self.bytes_sent += c.flat.nbytes * len(self.neighbours)
-        exchange(sends, recvs, self.group)
-        self._refresh = False
+    @property
+    def steps(self) -> int:
+        return self.count.steps
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, public copy and replicas (by neighbour rank), per parameter name."""
-        if not self._copies:
-            return {"steps": self.counter.steps, **self._loaded}
+        """Step count, public copy and replicas (by neighbour rank), per parameter name."""
+        if not self.copies:
+            return {"steps": self.count.steps, **self.loaded}
         public, replicas = {}, {peer: {} for peer in self.neighbours}
-        for c in self._copies:
+        for c in self.copies:
             public.update(c.flat.by_name(c.public))
             for peer, replica in zip(self.neighbours, c.replicas):
                 replicas[peer].update(c.flat.by_name(replica))
-        return {"steps": self.counter.steps, "rank": self._rank, "public": public, "replicas": replicas}
+        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counter and copies; the next round refreshes the replicas (see the module's doc)."""
+        """Restore the count and copies; the next round refreshes the replicas (see the docs)."""
         unknown = sorted(set(state) - {"steps", "rank", "public", "replicas"})
         if unknown:
             raise ValueError(f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas")
-        self.counter.steps = int(state["steps"])
-        self._loaded = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
-        if self._copies and "public" in self._loaded:
-            self._restore(self._loaded)
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Fill the copies from a loaded state and schedule the replicas' refresh."""
-        for c in self._copies:
-            c.flat.from_names(c.public, state["public"], "public copy")
-            if state.get("rank") == self._rank and sorted(state.get("replicas", {})) == sorted(self.neighbours):
+        self.count.steps = int(state["steps"])
+        loaded = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
+        if not self.copies:
+            self.loaded = loaded
+            return
+        if "public" not in loaded:
+            return
+        same_ring = loaded.get("rank") == self.rank and sorted(loaded.get("replicas", {})) == sorted(self.neighbours)
+        for c in self.copies:
+            c.flat.from_names(c.public, loaded["public"], "public copy")
+            if same_ring:
                 for peer, replica in zip(self.neighbours, c.replicas):
-                    c.flat.from_names(replica, state["replicas"][peer], f"replica of rank {peer}")
-        self._loaded = {}
-        self._refresh = True
+                    c.flat.from_names(replica, loaded["replicas"][peer], f"replica of rank {peer}")
+        self.refresh = True
+
+
+class LowPrecisionDecentralized(Algorithm):
+    """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
+
+    Args:
+        period: optimizer steps between two rounds (1: every step); alias
+            ``communication_interval`` (Bagua's name).
+
+    Example::
+
+        model = unison.DataParallel(net, optimizer=opt, algorithm="low_precision_decentralized:period=4")
+    """
+
+    name = "low_precision_decentralized"
+    reduces_gradients = False
+    replicas_drift = True
+    needs_optimizers = True
+    period = Int(16, aliases=("communication_interval",), doc="optimizer steps between two rounds")
+
+    def setup(self, replica) -> LowPrecisionState:
+        super().setup(replica)
+        count = StepCount(self.period)
+        if not replica.distributed:
+            return LowPrecisionState(count, replica.rank)
+        neighbours = ring_neighbours(replica.rank, replica.world_size)
+        copies = [Copies(f, neighbours) for f in flat_params_of(replica.trainable)]
+        return LowPrecisionState(count, replica.rank, replica.private_group(self.name), neighbours, copies)
+
+    def after_step(self, replica, state, optimizer) -> None:
+        if state.count.tick(replica, optimizer) and state.group is not None and state.count.due():
+            self._round(state)
+
+    def _round(self, state: LowPrecisionState) -> None:
+        """Send, receive and apply the 8-bit differences, then mix."""
+        if state.refresh:
+            self._refresh_replicas(state)
+        sends, recvs, peers = [], [], state.neighbours
+        for tag, c in enumerate(state.copies):
+            c.codec.encode(c.codec.load(c.flat.gather(), minus=c.public), c.send)
+            sends += [(c.send, peer, tag) for peer in peers]
+            recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
+            state.bytes_sent += c.codec.nbytes * len(peers)
+        exchange(sends, recvs, state.group)
+        for c in state.copies:
+            c.public.add_(c.decoded(c.send))
+            for replica, received in zip(c.replicas, c.received):
+                replica.add_(c.decoded(received))
+            c.mix.copy_(c.public)
+            for replica in c.replicas:
+                c.mix.add_(replica)
+            c.flat.scatter(c.mix.div_(len(peers) + 1))
+
+    def _refresh_replicas(self, state: LowPrecisionState) -> None:
+        """Overwrite the replicas with the neighbours' public copies, sent in full precision."""
+        sends, recvs = [], []
+        for tag, c in enumerate(state.copies):
+            sends += [(c.public, peer, tag) for peer in state.neighbours]
+            recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, state.neighbours)]
+            state.bytes_sent += c.flat.nbytes * len(state.neighbours)
+        exchange(sends, recvs, state.group)
+        state.refresh = False

@@ -66,18 +66,19 @@ def _is_number(value: Any) -> bool:
 
 
 class Int(Option):
-    """An integer of at least ``minimum`` (bools are not integers here); ``optional`` also takes None."""
+    """An integer of at least ``minimum`` (bools are not integers here); ``optional`` also takes None;
+    ``what`` words the requirement in the error message (default: from ``minimum``)."""
 
-    def __init__(self, default: Any, minimum: int = 1, optional: bool = False, **kw: Any) -> None:
+    def __init__(self, default: Any, minimum: int = 1, optional: bool = False, what: Optional[str] = None, **kw: Any) -> None:
         super().__init__(default, **kw)
-        self.minimum, self.optional = minimum, optional
+        self.minimum, self.optional, self.what = minimum, optional, what
 
     def check(self, value: Any) -> Optional[str]:
         if self.optional and value is None:
             return None
         if _is_int(value) and value >= self.minimum:
             return None
-        what = "a positive integer" if self.minimum == 1 else "a non-negative integer" if self.minimum == 0 else f"an integer of at least {self.minimum}"
+        what = self.what or ("a positive integer" if self.minimum == 1 else "a non-negative integer" if self.minimum == 0 else f"an integer of at least {self.minimum}")
         return what + (" or None" if self.optional else "")
 
 

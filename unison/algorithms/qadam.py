@@ -1,22 +1,10 @@
 """QAdam: Adam whose momentum, not its gradient, is averaged in 8 bits after a warm-up.
 
-It runs with its own optimizer, ``unison.optim.QAdamOptimizer``:
-
-* warm-up (the optimizer has taken fewer than ``warmup_steps`` steps): each
-  bucket is averaged in full precision and the optimizer is plain Adam,
-  learning the variance ``exp_avg_sq`` from the averaged gradients;
-* after it: the variance is frozen. Each rank folds its local gradient into
-  the momentum, ``m = beta1 * m + (1 - beta1) * g_local``, and the ranks'
-  momenta are averaged with bytegrad's 8-bit exchange (every rank decodes the
-  same bytes, so all end with the same momentum). What is quantized is each
-  momentum divided by the frozen Adam denominator, so the rounding error is
-  on the scale of the update rather than amplified by a small variance. The
-  averaged momentum replaces ``m`` and is written into the gradients, which
-  the optimizer then takes as its ``exp_avg``.
-
-The momentum is kept flat per bucket (``FlatState``), seeded from the
-optimizer's ``exp_avg`` when the warm-up ends, and saved in DataParallel's
-state dict; the optimizer's state (variance, step count) is in its own.
+It runs with its own optimizer, ``unison.QAdamOptimizer``: during the warm-up
+buckets are averaged in full precision and the optimizer is plain Adam; after
+it the variance is frozen, each rank folds its gradient into its momentum, and
+the momenta (divided by the frozen Adam denominator) are averaged with
+bytegrad's 8-bit exchange. See docs/algorithms.md#qadam.
 """
 
 from __future__ import annotations
@@ -27,164 +15,33 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from ..buckets import split
-from ..comm import start
-from .base import Algorithm
-from .bytegrad import Exchange, bucket_exchange, wire_bytes_8bit
-from .state import FlatState
+from ..engine.buckets import split
+from ..engine.comm import start
+from ..engine.flatstate import FlatState
+from .base import Algorithm, State, open_thread
+from .bytegrad import bucket_exchange, wire_bytes_8bit
+from .qadam_optimizer import QAdamOptimizer
 
-
-#: Elements per 8-bit quantization chunk (as bytegrad's default).
+#: Values per 8-bit quantization chunk (as bytegrad's default).
 CHUNK_SIZE = 1024
 
 
-class QAdam(Algorithm):
-    """8-bit momentum averaging for ``QAdamOptimizer``; it has no options (the optimizer holds them)."""
+class QAdamState(State):
+    """The optimizer, the flat momenta (saved), the buckets' exchanges and denominators, group and thread."""
 
-    name = "qadam"
-    defaults: dict[str, Any] = {}
+    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "group", "thread")
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.optimizer = None
+    def __init__(self, optimizer: QAdamOptimizer, group=None, thread=None) -> None:
+        self.optimizer = optimizer
         self.momentum = FlatState()
-        self._seeded: set[str] = set()
-        self._compressing = False
-        self._exchanges: dict[int, Exchange] = {}
-        self._denominators: dict[int, tuple] = {}
-        self.group = None
-        self.thread = None
-
-    def setup(self, model) -> None:
-        """Find the model's one QAdamOptimizer and open the 8-bit exchange's thread and group."""
-        from ..optim import QAdamOptimizer
-
-        found = [opt for opt in model.optimizers if isinstance(opt, QAdamOptimizer)]
-        if len(found) != 1:
-            raise ValueError(
-                f"qadam needs exactly one unison.optim.QAdamOptimizer holding the model's parameters, found {len(found)}; "
-                "pass it as DataParallel(module, optimizer=unison.optim.QAdamOptimizer(module.parameters()), algorithm='qadam')"
-            )
-        self.optimizer = found[0]
-        if model.module is not None:
-            held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-            missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in held]
-            if missing:
-                raise ValueError(
-                    f"qadam turns every gradient into momentum, so the QAdamOptimizer must hold every trainable "
-                    f"parameter; it does not hold {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-                )
-        if model.process_group is not None and model.world_size > 1:
-            self.open_thread(model)
-
-
-    def reduce_bucket(self, bucket, group):
-        world = dist.get_world_size(group)
-        self._compressing = world > 1 and not self.optimizer.warming_up and bucket.flat.numel() > 0
-        if not self._compressing:
-            return start(dist.all_reduce, bucket.flat, group=group)
-        if bucket.flat.dtype != torch.float32:
-            raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
-        momentum = self.momentum.get(bucket)
-        self._seed(bucket, momentum)
-        # bucket.flat holds g_local / world: make it m_local / world, whose sum over ranks is the average.
-        beta1 = self._beta1(bucket)
-        if isinstance(beta1, float):
-            bucket.flat.mul_(1 - beta1).add_(momentum, alpha=beta1 / world)
-        else:
-            bucket.flat.mul_(1 - beta1).addcmul_(momentum, beta1, value=1.0 / world)
-        denom, inverse = self._denominator(bucket)
-        bucket.flat.mul_(inverse)  # 0 where the denominator is 0
-        self.optimizer.grads_hold_momentum = True
-        return self.thread.submit(self._exchange, bucket, momentum, denom, world)
-
-    def _exchange(self, bucket, momentum: torch.Tensor, denom: torch.Tensor, world: int) -> torch.Tensor:
-        """On the CommThread: average the momenta in 8 bits; all ranks keep the same result.
-
-        What travels is each rank's momentum divided by the frozen Adam
-        denominator, i.e. its update direction: averaging commutes with that
-        division (the denominator is the same on every rank), and the 8-bit
-        rounding error then lands on the update's scale. Sent raw, the error
-        of a coordinate with a tiny variance would be divided by that tiny
-        variance in the optimizer and blow the parameter up.
-        """
-        bucket_exchange(self._exchanges, bucket, world, CHUNK_SIZE).run(bucket.flat, self.group)
-        bucket.flat.mul_(denom)
-        momentum.copy_(bucket.flat)
-        return bucket.flat
-
-    def _denominator(self, bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket, and its inverse.
-
-        It is 0 where the variance is 0 (inverse 0 too): the optimizer never
-        moves those coordinates after the warm-up, so their momentum is sent
-        and kept as 0. The variance is frozen, so both are computed once per
-        bucket and reused while the optimizer holds the same variance tensors
-        and settings (a reloaded optimizer state is noticed and recomputed).
-        """
-        key = self._denominator_key(bucket)
-        cached = self._denominators.get(bucket.index)
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        denom = self._compute_denominator(bucket)
-        inverse = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
-        self._denominators[bucket.index] = (key, denom, inverse)
-        return denom, inverse
-
-    def _denominator_key(self, bucket) -> tuple:
-        """What the denominator depends on: the variance tensors (by identity), eps, beta2, warm-up length."""
-        settings = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
-        parts = []
-        for p in bucket.params:
-            variance = self.optimizer.state.get(p, {}).get("exp_avg_sq")
-            group = settings[id(p)]
-            parts.append((id(variance), None if variance is None else variance._version, group["eps"], group["betas"][1]))
-        return (tuple(parts), self.optimizer.warmup_steps)
-
-    def _compute_denominator(self, bucket) -> torch.Tensor:
-        settings = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
-        out = torch.empty_like(bucket.flat)
-        for view, p in zip(split(out, bucket.views), bucket.params):
-            group = settings[id(p)]
-            variance = self.optimizer.state.get(p, {}).get("exp_avg_sq")
-            if variance is None:
-                view.zero_()
-                continue
-            correction = 1 - group["betas"][1] ** self.optimizer.warmup_steps
-            torch.sqrt(variance, out=view).div_(math.sqrt(correction)).add_(group["eps"])
-            view.masked_fill_(variance == 0, 0.0)
-        return out
-
-    def _seed(self, bucket, momentum: torch.Tensor) -> None:
-        """At the end of warm-up, start each parameter's momentum from the optimizer's exp_avg."""
-        fresh = [i for i, name in enumerate(bucket.names) if name not in self._seeded]
-        if not fresh:
-            return
-        views = split(momentum, bucket.views)
-        for i in fresh:
-            exp_avg = self.optimizer.state.get(bucket.params[i], {}).get("exp_avg")
-            if exp_avg is not None:
-                views[i].copy_(exp_avg)
-            self._seeded.add(bucket.names[i])
-
-    def _beta1(self, bucket) -> Union[float, torch.Tensor]:
-        """The optimizer's beta1 for the bucket: one number, or per element when groups differ."""
-        by_param = {id(p): group["betas"][0] for group in self.optimizer.param_groups for p in group["params"]}
-        betas = [float(by_param[id(p)]) for p in bucket.params]
-        if all(b == betas[0] for b in betas):
-            return betas[0]
-        out = torch.empty_like(bucket.flat)
-        for view, b in zip(split(out, bucket.views), betas):
-            view.fill_(b)
-        return out
-
-    def bucket_wire_bytes(self, bucket, world_size: int) -> int:
-        if self._compressing:
-            return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
-        return super().bucket_wire_bytes(bucket, world_size)
+        self.seeded: set[str] = set()  # parameters whose momentum started from the optimizer's exp_avg
+        self.compressing = False  # whether the last bucket launched went through the 8-bit exchange
+        self.exchanges: dict[int, Any] = {}
+        self.denominators: dict[int, tuple] = {}
+        self.group, self.thread = group, thread
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": self.momentum.state_dict()} if self._seeded else {}
+        return {"momentum": self.momentum.state_dict()} if self.seeded else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = sorted(set(state) - {"momentum"})
@@ -192,4 +49,126 @@ class QAdam(Algorithm):
             raise ValueError(f"qadam state has unknown entries {unknown}; expected 'momentum'")
         momentum = state.get("momentum", {})
         self.momentum.load_state_dict(momentum)
-        self._seeded = set(momentum)
+        self.seeded = set(momentum)
+
+
+class QAdam(Algorithm):
+    """8-bit momentum averaging for ``QAdamOptimizer``; no options (the optimizer holds them).
+
+    Example::
+
+        opt = unison.QAdamOptimizer(net.parameters(), lr=1e-3, warmup_steps=100)
+        model = unison.DataParallel(net, optimizer=opt, algorithm="qadam")
+    """
+
+    name = "qadam"
+
+    def setup(self, replica) -> QAdamState:
+        found = [opt for opt in replica.optimizers if isinstance(opt, QAdamOptimizer)]
+        if len(found) != 1:
+            raise ValueError(
+                f"qadam needs exactly one unison.optim.QAdamOptimizer holding the model's parameters, found {len(found)}; "
+                "pass it as DataParallel(module, optimizer=unison.optim.QAdamOptimizer(module.parameters()), algorithm='qadam')"
+            )
+        held = {id(p) for group in found[0].param_groups for p in group["params"]}
+        missing = [n for n, p in replica.trainable if id(p) not in held]
+        if missing:
+            raise ValueError(
+                f"qadam turns every gradient into momentum, so the QAdamOptimizer must hold every trainable "
+                f"parameter; it does not hold {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
+        return QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed else ()))
+
+    def reduce_bucket(self, replica, state, bucket, group):
+        world, opt = dist.get_world_size(group), state.optimizer
+        state.compressing = world > 1 and not opt.warming_up and bucket.flat.numel() > 0
+        if not state.compressing:
+            return start(dist.all_reduce, bucket.flat, group=group)
+        if bucket.flat.dtype != torch.float32:
+            raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
+        momentum = state.momentum.get(bucket)
+        _seed(state, bucket, momentum)
+        # bucket.flat holds g_local / world: make it m_local / world, whose sum over ranks is the average.
+        beta1 = _beta1(opt, bucket)
+        if isinstance(beta1, float):
+            bucket.flat.mul_(1 - beta1).add_(momentum, alpha=beta1 / world)
+        else:
+            bucket.flat.mul_(1 - beta1).addcmul_(momentum, beta1, value=1.0 / world)
+        denom, inverse = _denominator(state, bucket)
+        bucket.flat.mul_(inverse)  # 0 where the denominator is 0
+        opt.grads_hold_momentum = True
+        exchange = bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE)
+        return state.thread.submit(_average, exchange, bucket.flat, state.group, momentum, denom)
+
+    def bucket_wire_bytes(self, replica, state, bucket, world_size: int) -> int:
+        if state.compressing:
+            return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
+        return super().bucket_wire_bytes(replica, state, bucket, world_size)
+
+
+def _average(exchange, flat: torch.Tensor, group, momentum: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """On the CommThread: average the update directions in 8 bits, then turn them back into momenta.
+
+    Dividing by the frozen denominator (the same on every rank) commutes with
+    averaging and puts the rounding error on the update's scale (see docs).
+    """
+    exchange.run(flat, group)
+    flat.mul_(denom)
+    momentum.copy_(flat)
+    return flat
+
+
+def _denominator(state: QAdamState, bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket, and its inverse.
+
+    Both are 0 where the variance is 0 (those coordinates never move after
+    the warm-up). Computed once per bucket while the optimizer holds the same
+    variance tensors and settings (a reloaded optimizer state is noticed).
+    """
+    opt = state.optimizer
+    settings = {id(p): group for group in opt.param_groups for p in group["params"]}
+    variances = [opt.state.get(p, {}).get("exp_avg_sq") for p in bucket.params]
+    key = (
+        tuple((id(v), None if v is None else v._version, settings[id(p)]["eps"], settings[id(p)]["betas"][1]) for v, p in zip(variances, bucket.params)),
+        opt.warmup_steps,
+    )
+    cached = state.denominators.get(bucket.index)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    denom = torch.empty_like(bucket.flat)
+    for view, p, variance in zip(split(denom, bucket.views), bucket.params, variances):
+        if variance is None:
+            view.zero_()
+            continue
+        group = settings[id(p)]
+        correction = 1 - group["betas"][1] ** opt.warmup_steps
+        torch.sqrt(variance, out=view).div_(math.sqrt(correction)).add_(group["eps"])
+        view.masked_fill_(variance == 0, 0.0)
+    inverse = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
+    state.denominators[bucket.index] = (key, denom, inverse)
+    return denom, inverse
+
+
+def _seed(state: QAdamState, bucket, momentum: torch.Tensor) -> None:
+    """At the end of warm-up, start each parameter's momentum from the optimizer's exp_avg."""
+    fresh = [i for i, name in enumerate(bucket.names) if name not in state.seeded]
+    if not fresh:
+        return
+    views = split(momentum, bucket.views)
+    for i in fresh:
+        exp_avg = state.optimizer.state.get(bucket.params[i], {}).get("exp_avg")
+        if exp_avg is not None:
+            views[i].copy_(exp_avg)
+        state.seeded.add(bucket.names[i])
+
+
+def _beta1(opt: QAdamOptimizer, bucket) -> Union[float, torch.Tensor]:
+    """The optimizer's beta1 for the bucket: one number, or per element when groups differ."""
+    by_param = {id(p): group["betas"][0] for group in opt.param_groups for p in group["params"]}
+    betas = [float(by_param[id(p)]) for p in bucket.params]
+    if all(b == betas[0] for b in betas):
+        return betas[0]
+    out = torch.empty_like(bucket.flat)
+    for view, b in zip(split(out, bucket.views), betas):
+        view.fill_(b)
+    return out

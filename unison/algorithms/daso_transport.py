@@ -1,0 +1,162 @@
+"""DASO's transport: the node and inter-node groups, and the weight syncs between nodes.
+
+Gradients are averaged over a private copy of the node's group. Weights travel
+over one inter-node group at a time (the processes of one local rank on every
+node), as differences from the last average that group agreed on (the
+"anchor"), in the wire dtype; the member then broadcasts them in its node.
+See docs/algorithms.md#daso.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..engine import comm
+from ..engine.averaging import AsyncAverage
+
+
+class Transport:
+    """The groups DASO talks over, and the weight syncs between nodes.
+
+    Args:
+        params: the weights global syncs carry (the trainable parameters).
+        grad_group: the node's group for gradients (None: one process per node).
+        intra: the node's group for broadcasts (None: one process per node, or one node).
+        inter: this rank's inter-node group (None: one node).
+        local_rank, local_size, nodes: where this process sits.
+        wire: the dtype syncs travel in (None: the weights' own, whole).
+        chunk_elems: elements per collective (whole tensors; a larger one goes alone).
+
+    Example::
+
+        t = Transport.build(replica, wire=torch.bfloat16, chunk_elems=10_000_000)
+        t.start()                                   # at batch b, by local rank k
+        t.receive(k, batches_to_wait=1)             # at batch b + 1, on every rank
+    """
+
+    __slots__ = (
+        "params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
+        "inflight", "relative", "anchor", "bytes_sent",
+    )
+
+    def __init__(
+        self, params, grad_group=None, intra=None, inter=None, local_rank: int = 0, local_size: int = 1,
+        nodes: int = 1, wire: Optional[torch.dtype] = None, chunk_elems: int = 10_000_000,
+    ) -> None:
+        self.params: list[torch.Tensor] = list(params)
+        self.grad_group, self.intra, self.inter = grad_group, intra, inter
+        self.local_rank, self.local_size, self.nodes = local_rank, local_size, nodes
+        self.wire, self.chunk_elems = wire, chunk_elems
+        self.inflight: Any = None  # this rank's sync in flight (something with wait())
+        self.relative = False  # whether it carries differences from the anchor
+        self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
+        self.bytes_sent = 0
+
+    @classmethod
+    def build(cls, replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
+        """Private copies of the node's group (gradients, broadcasts) and of this rank's inter-node group."""
+        params = [p for _, p in replica.trainable]
+        if replica.group is None:
+            return cls(params, wire=wire, chunk_elems=chunk_elems)
+        topo = replica.topology
+        if topo.world_size != dist.get_world_size():
+            raise ValueError("daso needs the node layout: call unison.init() before building DataParallel")
+        if replica.world_size != dist.get_world_size():
+            raise ValueError("daso runs on the whole world; it cannot be combined with a process_group subset")
+        local_size, nodes, node = topo.local_world_size, topo.num_nodes, topo.intra_node_group
+        grad = replica.private_group("daso/grad", node) if local_size > 1 else None
+        intra = replica.private_group("daso/intra", node) if local_size > 1 and nodes > 1 else None
+        inter = replica.private_group("daso/inter", topo.inter_node_group) if nodes > 1 else None
+        return cls(params, grad, intra, inter, topo.local_rank, local_size, nodes, wire, chunk_elems)
+
+    # ---- one global sync --------------------------------------------------
+    def start(self) -> None:
+        """Launch this rank's part of its inter-node group's average (non-blocking).
+
+        Cast, it carries the difference from the anchor; the first sync of a
+        group (no anchor yet) carries the weights in full precision.
+        """
+        relative = self.wire is not None and self.anchor is not None
+        with torch.no_grad():
+            payload = [p.detach() - a for p, a in zip(self.params, self.anchor)] if relative else [p.detach() for p in self.params]
+        chunk_bytes = self.chunk_elems * max(1, self.params[0].element_size()) if self.params else 1
+        self.inflight = AsyncAverage(payload, self.inter, self.wire if relative else None, chunk_bytes=chunk_bytes)
+        self.relative = relative
+        self.bytes_sent += self.inflight.wire_bytes
+
+    def finish(self) -> list[torch.Tensor]:
+        """The group's average from the sync in flight; it becomes the group's new anchor."""
+        values, self.inflight = self.inflight.wait(), None
+        if self.relative:
+            values = [a + d for a, d in zip(self.anchor, values)]
+        if self.wire is not None:
+            self.anchor = values
+        return values
+
+    def drop(self) -> None:
+        """Wait for this rank's sync in flight (its peers launched it too) and forget it."""
+        if self.inflight is not None:
+            self.inflight.wait()
+            self.inflight = None
+
+    def receive(self, local_rank: int, batches_to_wait: int) -> None:
+        """The group of ``local_rank`` merges its stale average ``a`` into its weights ``x``
+        as (2B x + P a) / (2B + P), and shares the result in its node (every rank calls it)."""
+        if self.local_rank == local_rank and self.inflight is not None:
+            two_b, nodes = 2.0 * batches_to_wait, float(self.nodes)
+            with torch.no_grad():
+                for p, a in zip(self.params, self.finish()):
+                    p.mul_(two_b / (two_b + nodes)).add_(a, alpha=nodes / (two_b + nodes))
+        self.broadcast(local_rank)
+
+    def blocking(self, local_rank: int) -> None:
+        """The group of ``local_rank`` replaces its weights by their average now, and shares
+        it in each node: every replica is then identical (every rank calls it)."""
+        if self.local_rank == local_rank:
+            self.start()
+            with torch.no_grad():
+                for p, a in zip(self.params, self.finish()):
+                    p.copy_(a)
+        self.broadcast(local_rank)
+
+    def broadcast(self, local_rank: int) -> None:
+        """Give the node's other processes the weights of its process ``local_rank``."""
+        if self.intra is None:
+            return
+        comm.AsyncBroadcast(self.params, self.intra, source=local_rank).finish()
+        if self.local_rank == local_rank:
+            self.bytes_sent += (self.local_size - 1) * sum(p.numel() * p.element_size() for p in self.params)
+
+    def mean_loss(self, loss: Optional[float], group) -> Optional[float]:
+        """The epoch's loss averaged over ``group``'s ranks that gave one (None if none did)."""
+        if group is None:
+            return loss
+        t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        self.bytes_sent += comm.ring_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
+        return t[0].item() / t[1].item() if t[1].item() > 0 else None
+
+    # ---- state ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The sync in flight and the anchor, so a resumed run merges it at the same batch.
+
+        No new communication: a sync in flight is waited for (every peer
+        launched it already) and kept, received but not yet merged.
+        """
+        inflight = None
+        if self.inflight is not None:
+            values = [v.clone() for v in self.inflight.wait()]
+            self.inflight = comm.Finished(values)
+            inflight = {"values": values, "relative": self.relative}
+        return {"inflight": inflight, "anchor": None if self.anchor is None else [a.clone() for a in self.anchor]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sync in flight and the anchor (without one, the next sync re-establishes it)."""
+        self.drop()
+        anchor, inflight = state.get("anchor"), state.get("inflight")
+        self.anchor = None if anchor is None else [a.clone() for a in anchor]
+        self.inflight = None if inflight is None else comm.Finished([v.clone() for v in inflight["values"]])
+        self.relative = bool(inflight and inflight["relative"])
