@@ -237,7 +237,7 @@ def test_world_size_change_takes_rank_0s_state_with_a_warning(tmp_path):
         state = unison.load(path, model, opt, sampler)
     assert state["world_size"] == 2 and state["step"] == 2
     assert all(torch.equal(net.state_dict()[k], rank0[k]) for k in rank0)
-    assert model.algorithm.steps == 2
+    assert model.algorithm_state.steps == 2
     sampler.set_epoch(2)
     assert len(sampler) == 40 - 16  # 2 ranks x 2 batches x 4 samples were consumed
 
