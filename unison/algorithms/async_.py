@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from ..runtime import collective_timeout
 from .averaging_thread import AveragingThread
-from .base import Algorithm, State
+from .base import Algorithm
 from .options import Int, Number
-from .periodic import StepCount
+from .periodic import CountedState, StepCount
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-class AsyncState(State):
+class AsyncState(CountedState):
     """The averaging thread, the lock every optimizer step holds, and the counters
     ``steps``, ``rounds`` and ``bytes_sent`` (what checkpoints keep)."""
 
@@ -43,10 +43,6 @@ class AsyncState(State):
         self.may_run = group is not None  # False once a peer stopped, until average()
         self.broken = False  # the thread failed: it never starts again
         self.rounds = 0
-
-    @property
-    def steps(self) -> int:
-        return self.count.steps
 
     @property
     def running(self) -> bool:

@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 
 from ..engine.averaging import average_
-from .base import Algorithm, State
+from .base import Algorithm
 from .gossip import FlatParams, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
-from .periodic import StepCount
+from .periodic import CountedState, StepCount
 
 PEER_SELECTIONS = ("all", "shift_one", "ring")
 
 
-class DecentralizedState(State):
+class DecentralizedState(CountedState):
     """The step count (it decides the rounds and their pairings), the private group, and the
     flat buffers of the point-to-point rounds."""
 
@@ -43,19 +43,11 @@ class DecentralizedState(State):
         self.flats = flats or []  # the trainable parameters, one flat buffer per dtype and device
         self.recv = recv or []  # per flat buffer, one receive buffer per peer
 
-    @property
-    def steps(self) -> int:
-        """Training steps taken under this algorithm."""
-        return self.count.steps
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.count.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = sorted(set(state) - {"steps"})
         if unknown:
             raise ValueError(f"decentralized state has unknown entries {unknown}; expected 'steps'")
-        self.count.load_state_dict(state)
+        super().load_state_dict(state)
 
 
 class Decentralized(Algorithm):

@@ -22,12 +22,12 @@ from torch import nn
 from ..engine.averaging import AsyncAverage
 from ..engine.codecs import WIRE_DTYPES
 from ..engine.comm import Finished
-from .base import Algorithm, State
+from .base import Algorithm
 from .options import Bool, Choice, Int, Number
-from .periodic import StepCount
+from .periodic import CountedState, StepCount
 
 
-class DiLoCoState(State):
+class DiLoCoState(CountedState):
     """The outer optimizer and the snapshot it steps (the reference weights), the step
     count, and the pending sync: the average in flight and, with overlap, the weights
     when it was launched."""
@@ -44,11 +44,6 @@ class DiLoCoState(State):
         self.outer = torch.optim.SGD(self.snapshot, **outer)
         self.group = group  # None: one process, the average is the replica itself
         self.pending: Optional[tuple[Any, list[torch.Tensor]]] = None
-
-    @property
-    def steps(self) -> int:
-        """Inner (training) steps taken."""
-        return self.count.steps
 
     def state_dict(self) -> dict[str, Any]:
         return {

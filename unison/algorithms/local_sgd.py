@@ -10,33 +10,23 @@ buffers (BatchNorm statistics) are averaged; the optimizers' states stay local.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from ..engine.averaging import average_
-from .base import Algorithm, State
+from .base import Algorithm
 from .options import Bool, Int
-from .periodic import StepCount
+from .periodic import CountedState, StepCount
 
 
-class LocalSGDState(State):
+class LocalSGDState(CountedState):
     """The step count and the node's private group (hierarchical only)."""
 
     __slots__ = ("count", "intra")
 
     def __init__(self, count: StepCount, intra: Optional[dist.ProcessGroup]) -> None:
         self.count, self.intra = count, intra
-
-    @property
-    def steps(self) -> int:
-        return self.count.steps
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.count.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count.load_state_dict(state)
 
 
 class LocalSGD(Algorithm):

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..engine.codecs import MinMax8
-from .base import Algorithm, State
+from .base import Algorithm
 from .gossip import FlatParams, exchange, flat_params_of, ring_neighbours
 from .options import Int
-from .periodic import StepCount
+from .periodic import CountedState, StepCount
 
 #: Values per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -40,7 +40,7 @@ class Copies:
         return self.codec.decode(message).view(-1)[: self.flat.numel]
 
 
-class LowPrecisionState(State):
+class LowPrecisionState(CountedState):
     """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
     __slots__ = ("count", "rank", "group", "neighbours", "copies", "refresh", "loaded")
@@ -51,10 +51,6 @@ class LowPrecisionState(State):
         self.copies = copies or []
         self.refresh = False  # the next round first resends the public copies in full precision
         self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
-
-    @property
-    def steps(self) -> int:
-        return self.count.steps
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, public copy and replicas (by neighbour rank), per parameter name."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .base import State
+
 
 class StepCount:
     """Training steps taken, and when a periodic sync falls due.
@@ -56,3 +58,21 @@ class StepCount:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
+
+
+class CountedState(State):
+    """Base of the states of periodic algorithms: a ``StepCount`` in ``count``; by default
+    the count is all a checkpoint keeps."""
+
+    count: StepCount
+
+    @property
+    def steps(self) -> int:
+        """Training steps taken under this algorithm."""
+        return self.count.steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.count.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count.load_state_dict(state)
