@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import random
-import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -38,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import unison
 from unison import algorithms
+from unison.checkpoint import _get_rng as _rng_state, _set_rng as _set_rng_state, _to_cpu  # unison.save's RNG and CPU helpers
 
 __all__ = ["UnisonStrategy"]
 
@@ -566,44 +565,3 @@ def _optimizers_to(optimizers: list[Optimizer], device: torch.device) -> None:
             for key, value in state.items():
                 if isinstance(value, Tensor) and key != "step":
                     state[key] = value.to(device)
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        out = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _rng_state() -> dict[str, Any]:
-    """This rank's RNG states (torch, Python, NumPy if imported, CUDA if in use), as plain data."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _tuples(obj: Any) -> Any:
-    """Lists back to tuples (random.setstate wants its nested tuple)."""
-    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
