@@ -63,7 +63,6 @@ class Replica:
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
         self.engine = None  # the GradReducer, while one runs (set by the wrapper)
-        self.scalers: list[Any] = []
         # Training steps: one ends when every registered optimizer has stepped since the last.
         self.steps = 0
         self._stepped: set[int] = set()
@@ -72,7 +71,7 @@ class Replica:
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
         self._scaler_fns: list[Callable[[Any], None]] = []
-        self._scaler_patches: list[tuple[Any, Callable]] = []
+        self._scaler_patches: list[tuple[Any, str, Any]] = []  # the wrapper's, kept until it closes
         self._step_before: list[Callable] = []
         self._step_after: list[Callable] = []
         self.replaced_steps: set[int] = set()
@@ -177,8 +176,7 @@ class Replica:
             return result
 
         for attr, fn in (("step", counted_step), ("zero_grad", zero_grad)):
-            self._patches.append((optimizer, attr, optimizer.__dict__.get(attr)))
-            setattr(optimizer, attr, types.MethodType(fn, optimizer))
+            _patch(self._patches, optimizer, attr, types.MethodType(fn, optimizer))
         self.replaced_steps.add(id(optimizer))
         return originals
 
@@ -188,9 +186,8 @@ class Replica:
 
     def add_scaler(self, scaler: Any) -> None:
         """Watch ``scaler.update()`` (the wrapper's ``add_scaler``)."""
-        if any(s is scaler for s in self.scalers):
+        if any(s is scaler for s, _, _ in self._scaler_patches):
             return
-        self.scalers.append(scaler)
         update = scaler.update
 
         def update_and_tell(*args: Any, **kwargs: Any):
@@ -199,25 +196,18 @@ class Replica:
                 fn(scaler)
             return result
 
-        scaler.update = update_and_tell
-        self._scaler_patches.append((scaler, update))
+        _patch(self._scaler_patches, scaler, "update", update_and_tell)
 
     def restore_scalers(self) -> None:
         """Give every watched GradScaler its own ``update`` back (the wrapper is closing)."""
-        for scaler, update in self._scaler_patches:
-            scaler.update = update
-        self._scaler_patches, self.scalers = [], []
+        _unpatch(self._scaler_patches)
 
     def remove_hooks(self) -> None:
         """Remove every hook registered for the algorithm (it is leaving)."""
         for handle in self._handles:
             handle.remove()
-        for obj, attr, previous in reversed(self._patches):
-            if previous is None:
-                obj.__dict__.pop(attr, None)
-            else:
-                setattr(obj, attr, previous)
-        self._handles, self._patches, self._scaler_fns = [], [], []
+        _unpatch(self._patches)
+        self._handles, self._scaler_fns = [], []
         self._step_before, self._step_after = [], []
         self.replaced_steps = set()
 
@@ -235,3 +225,19 @@ class Replica:
         """Whether ``optimizer``'s step, just taken, completed a training step (every
         registered optimizer has stepped since the last one)."""
         return self._ended_by is optimizer
+
+
+def _patch(patches: list, obj: Any, attr: str, value: Any) -> None:
+    """Set ``obj.attr`` on the instance, noting in ``patches`` what to restore."""
+    patches.append((obj, attr, obj.__dict__.get(attr)))
+    setattr(obj, attr, value)
+
+
+def _unpatch(patches: list) -> None:
+    """Undo ``_patch``es, newest first (an attribute that came from the class is simply removed)."""
+    for obj, attr, previous in reversed(patches):
+        if previous is None:
+            obj.__dict__.pop(attr, None)
+        else:
+            setattr(obj, attr, previous)
+    patches.clear()
