@@ -195,10 +195,9 @@ class GradReducer:
         (autotuning picks it from measurements agreed on by all ranks).
         """
         self.complete()
-        order = [i for b in self.buckets for i in b.indices]
+        groups = self.plan(cap_bytes)
         self.cap = int(cap_bytes)
         self.first_cap = min(self.cap, bucketing.MB)
-        groups = bucketing.plan(self.params, order, self.cap, self.first_cap)
         if groups != [b.indices for b in self.buckets]:
             self._set_buckets(groups)
 
