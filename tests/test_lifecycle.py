@@ -171,3 +171,18 @@ def test_a_replaced_wrapper_leaves_no_hook_thread_or_stray_event(algorithm):
         assert r0["steps"] == r1["steps"] == 4
     for a, b in zip(r0["weights"], r1["weights"]):
         assert torch.equal(a, b)
+
+
+def _optimizer_close():
+    torch.manual_seed(0)
+    net = MLP()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt = unison.DistributedOptimizer(inner, named_parameters=net.named_parameters())
+    _train(net, opt, steps=2, rank=dist.get_rank())
+    opt.close()
+    return _hook_counts(net, inner)
+
+
+def test_distributed_optimizer_close_leaves_no_hook():
+    for counts in launch.run(_optimizer_close, 2):
+        assert counts == CLEAN
