@@ -38,6 +38,9 @@ def make(algorithm, net=None, momentum=0.0, **options):
     net = net or MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=momentum)
     options.setdefault("communication_interval", 1)  # these tests look at single rounds
+    if algorithm == "decentralized":  # ... of the classic, blocking schedule (tests/test_streaming.py: the streamed one)
+        options.setdefault("fragments", 1)
+        options.setdefault("delay", 0)
     model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create(algorithm, **options))
     return net, opt, model
 

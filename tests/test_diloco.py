@@ -161,7 +161,7 @@ def check_wire_and_overlap() -> dict:
     for s in range(120):
         x = torch.randn(16, DIN, generator=g)
         train_step(model, opt, x, x @ teacher)
-    out["in_flight_before_average"] = model.algorithm_state.pending is not None
+    out["in_flight_before_average"] = bool(model.algorithm_state.streams.inflight)
     out["spread_before_average"] = spread_across_ranks(net)
     model.average()
     out["spread_after_average"] = spread_across_ranks(net)
@@ -266,7 +266,7 @@ def test_overlap_converges_and_average_settles(wire_and_overlap):
 def test_checkpoint_round_trip():
     for r in launch.run(check_state, 2, timeout=60):
         for overlap, res in r.items():
-            assert res["keys"] == ["outer_optimizer", "snapshot", "steps"]
+            assert res["keys"] == ["in_flight", "outer_optimizer", "snapshot", "steps"]
             assert res["has_momentum"]
             assert max(res["gaps"]) == 0.0, (overlap, res["gaps"])
         assert r[False]["steps"] == 10 and r[True]["steps"] == 8

@@ -27,7 +27,7 @@ def flat_run():
     base = MLP()
     nets = {name: copy.deepcopy(base) for name in ("allreduce", "local_sgd")}
     opts = {k: torch.optim.SGD(n.parameters(), lr=0.05) for k, n in nets.items()}
-    alg = unison.algorithms.create("local_sgd", period=3, warmup_steps=2)
+    alg = unison.algorithms.create("local_sgd", period=3, warmup_steps=2, fragments=1, delay=0)
     models = {"allreduce": unison.DataParallel(nets["allreduce"], optimizer=opts["allreduce"]),
               "local_sgd": unison.DataParallel(nets["local_sgd"], optimizer=opts["local_sgd"], algorithm=alg)}
     out = {"gap_after_warmup": None, "spreads": []}
@@ -57,7 +57,7 @@ def sync_is_the_average():
     torch.manual_seed(0)
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("local_sgd", period=2, warmup_steps=0))
+    model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("local_sgd", period=2, warmup_steps=0, fragments=1, delay=0))
     x, y = batch(0, rank)
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
@@ -80,7 +80,7 @@ def hierarchical_run():
     torch.manual_seed(0)
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    alg = unison.algorithms.create("local_sgd", period=4, warmup_steps=0, hierarchical=True, local_period=2)
+    alg = unison.algorithms.create("local_sgd", period=4, warmup_steps=0, hierarchical=True, local_period=2, fragments=1, delay=0)
     model = unison.DataParallel(net, optimizer=opt, algorithm=alg)
     rows = []
     for s in range(4):

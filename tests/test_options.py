@@ -61,7 +61,7 @@ def test_bad_dataparallel_settings_are_refused():
 
 def test_options_written_in_the_name():
     algorithm = create("decentralized:peer_selection=ring,communication_interval=4")
-    assert algorithm.options == {"peer_selection": "ring", "communication_interval": 4}
+    assert algorithm.options == {"peer_selection": "ring", "communication_interval": 4, "fragments": None, "delay": None}
     assert create("powersgd:rank=2", start_iter=0).options["rank"] == 2
     with pytest.raises(ValueError, match="key=value"):
         create("powersgd:rank")

@@ -1,12 +1,14 @@
 """DiLoCo (Douillard et al. 2023): many local steps, then one outer step on the
-averaged change of the weights.
+averaged change of the weights; streaming DiLoCo (Douillard et al. 2025) by options.
 
 Every rank trains on local gradients with the user's optimizer (the inner one)
 for ``period`` steps; then the pseudo-gradient, the snapshot taken at the last
 outer step minus the current parameters, is averaged across ranks and given to
 an outer SGD with Nesterov momentum, whose step gives the new snapshot that
-every rank copies into its parameters. ``overlap=True`` applies the outer step
-one inner step late, keeping the local step taken meanwhile.
+every rank copies into its parameters. Streaming (``fragments``, ``delay``,
+``mixing``): the weights are cut into fragments synced in turn across the
+period (``streaming.Stagger``), each average travelling for ``delay`` inner
+steps before its outer step is merged; ``overlap=True`` is ``delay=1``.
 
 See docs/algorithms.md#diloco.
 """
@@ -25,44 +27,48 @@ from ..engine.comm import Finished
 from .base import Algorithm
 from .options import Bool, Choice, Int, Number
 from .periodic import CountedState, StepCount
+from .streaming import Stagger, Streams, fragments_of
 
 
 class DiLoCoState(CountedState):
-    """The outer optimizer and the snapshot it steps (the reference weights), the step
-    count, and the pending sync: the average in flight and, with overlap, the weights
-    when it was launched."""
+    """The outer optimizer and the snapshot it steps (the reference weights, one piece per
+    fragment's share of a parameter), the step count, and the syncs in flight."""
 
-    __slots__ = ("count", "names", "params", "buffers", "snapshot", "outer", "group", "pending")
+    __slots__ = ("count", "names", "params", "buffers", "snapshot", "outer", "group", "fragments", "streams")
 
-    def __init__(self, count: StepCount, trainable, buffers: list[torch.Tensor], outer: dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, count: StepCount, fragments: list, buffers: list[torch.Tensor], outer: dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
         self.count = count
-        self.names = [n for n, _ in trainable]
-        self.params = [p for _, p in trainable]
-        self.buffers = buffers  # floating-point buffers, averaged with the pseudo-gradient
+        pieces = [piece for fragment in fragments for piece in fragment]
+        self.names = [n for n, _ in pieces]
+        self.params = [p for _, p in pieces]
+        self.fragments, first = [], 0  # per fragment, the indices of its pieces
+        for fragment in fragments:
+            self.fragments.append(range(first, first + len(fragment)))
+            first += len(fragment)
+        self.buffers = buffers  # floating-point buffers, averaged with the last fragment's pseudo-gradient
         with torch.no_grad():  # detached copies: the outer and inner optimizers' gradients never meet
             self.snapshot = [nn.Parameter(p.detach().clone()) for p in self.params]
         self.outer = torch.optim.SGD(self.snapshot, **outer)
         self.group = group  # None: one process, the average is the replica itself
-        self.pending: Optional[tuple[Any, list[torch.Tensor]]] = None
+        self.streams: Optional[Streams] = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
             "snapshot": {n: s.detach().clone() for n, s in zip(self.names, self.snapshot)},
             "outer_optimizer": self.outer.state_dict(),
+            "in_flight": self.streams.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly; the outer optimizer keeps this run's options (lr, momentum, nesterov)."""
         expected = {"steps", "snapshot", "outer_optimizer"}
-        if set(state) != expected:
-            raise ValueError(f"diloco state must have keys {sorted(expected)}, got {sorted(state)}")
+        if not expected <= set(state) <= expected | {"in_flight"}:
+            raise ValueError(f"diloco state must have keys {sorted(expected)} (and 'in_flight'), got {sorted(state)}")
         missing = [n for n in self.names if n not in state["snapshot"]]
         if missing:
-            raise ValueError(f"diloco state has no snapshot of parameter {missing[0]!r}")
-        if self.pending is not None:  # launched on every rank: let it land, then drop it for the loaded state
-            self.pending[0].wait()
-            self.pending = None
+            raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
+        self.streams.load_state_dict(state.get("in_flight", []))
         self.count.load_state_dict(state)
         with torch.no_grad():
             for n, s in zip(self.names, self.snapshot):
@@ -83,12 +89,17 @@ class DiLoCo(Algorithm):
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"`` or ``"fp16"``
             for the average of the pseudo-gradients.
-        overlap: apply each outer step one inner step late, its average
-            travelling during that step.
+        fragments: how many fragments sync in turn across the period (streaming DiLoCo).
+        delay: inner steps a fragment's average travels before its outer step is merged.
+        mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
+            (the paper's alpha); None keeps the local steps taken meanwhile instead
+            (``outer + local - local_at_launch``).
+        overlap: the same as ``delay=1``.
 
     Example::
 
         model = unison.DataParallel(net, optimizer=opt, algorithm="diloco:period=32,wire_dtype=bf16")
+        streaming = unison.algorithms.create("diloco", fragments=4, delay=2, mixing=0.5)
     """
 
     name = "diloco"
@@ -100,66 +111,81 @@ class DiLoCo(Algorithm):
     outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0, doc="the outer SGD's momentum")
     nesterov = Bool(True, doc="Nesterov outer momentum")
     wire_dtype = Choice("fp32", tuple(WIRE_DTYPES), convert=lambda v: None if v == "fp32" else WIRE_DTYPES[v], doc="dtype of the averaged pseudo-gradients")
-    overlap = Bool(False, doc="apply each outer step one inner step late")
+    fragments = Int(1, doc="fragments synced in turn across the period")
+    delay = Int(0, minimum=0, doc="inner steps an average travels before it is merged")
+    mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True, doc="weight of the local weights at a late merge (None: keep the local steps)")
+    overlap = Bool(False, doc="the same as delay=1")
 
     def validate(self) -> None:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0; set nesterov=False for plain outer SGD")
+        if self.overlap and self.delay > 1:
+            raise ValueError(f"overlap=True means delay=1, but delay={self.delay} was given: give only delay")
+        Stagger(self.period, self.fragments, self.lateness)  # refuses fragments > period and delay >= period
+
+    @property
+    def lateness(self) -> int:
+        """The delay in inner steps (``overlap=True`` is 1)."""
+        return max(self.delay, int(self.overlap))
 
     def setup(self, replica) -> DiLoCoState:
         super().setup(replica)
         buffers = [b for b in replica.buffers if b.is_floating_point()] if replica.broadcast_buffers else []
         group = replica.private_group("diloco") if replica.distributed else None
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
-        return DiLoCoState(StepCount(self.period), replica.trainable, buffers, outer, group)
+        state = DiLoCoState(StepCount(self.period), fragments_of(replica.trainable, self.fragments), buffers, outer, group)
+        stagger = Stagger(self.period, len(state.fragments), self.lateness)
+        state.streams = Streams(stagger, lambda f: self._launch(state, f), lambda f, avg, at: self._merge(state, f, avg, at))
+        return state
 
     def after_step(self, replica, state, optimizer) -> None:
-        """Count an inner step; apply an outer step in flight; launch one at the boundary."""
-        if not state.count.tick(replica, optimizer):
-            return
-        self._finish(state)
-        if state.count.due():
-            self._launch(state)
-            if not self.overlap:
-                self._finish(state)
-
-    def flush(self, replica, state) -> None:
-        """Apply an average already in flight (launched on every rank: waiting starts nothing new)."""
-        self._finish(state)
+        """Count an inner step; merge the outer steps due; launch the fragments due."""
+        if state.count.tick(replica, optimizer):
+            state.streams.advance(state.count.steps)
 
     def average(self, replica, state) -> None:
-        """Apply the average in flight; the wrapper then averages the parameters themselves."""
-        self._finish(state)
+        """Merge the averages in flight; the wrapper then averages the parameters themselves."""
+        state.streams.finish()
 
-    def _launch(self, state: DiLoCoState) -> None:
-        """Start averaging the pseudo-gradients (and buffers); remember where the parameters were."""
+    def teardown(self, replica, state) -> None:
+        state.streams.finish()
+        super().teardown(replica, state)
+
+    def release(self, replica, state) -> None:
+        state.streams.inflight.clear()  # no waiting: the peers may be gone
+
+    def _tensors(self, state: DiLoCoState, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Fragment ``f``'s parameter pieces and buffers (the last fragment carries the buffers)."""
+        return [state.params[i] for i in state.fragments[f]], state.buffers if f == len(state.fragments) - 1 else []
+
+    def _launch(self, state: DiLoCoState, f: int):
+        """Start averaging fragment ``f``'s pseudo-gradients (and buffers); keep its weights if merged late."""
+        params, buffers = self._tensors(state, f)
         with torch.no_grad():
-            tensors = [s - p for s, p in zip(state.snapshot, state.params)] + state.buffers
-            at_launch = [t.detach().clone() for t in state.params + state.buffers] if self.overlap else []
+            tensors = [state.snapshot[i] - p for i, p in zip(state.fragments[f], params)] + buffers
+            at_launch = [t.detach().clone() for t in params + buffers] if self.lateness and self.mixing is None else None
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
                 pending = AsyncAverage(tensors, state.group, self.wire_dtype)
         state.bytes_sent += pending.wire_bytes
-        state.pending = (pending, at_launch)
+        return pending, at_launch
 
-    def _finish(self, state: DiLoCoState) -> None:
-        """Collect the average in flight, step the outer optimizer, write the result into the model."""
-        if state.pending is None:
-            return
-        (pending, at_launch), state.pending = state.pending, None
-        averaged = pending.wait()
-        n = len(state.params)
-        for s, g in zip(state.snapshot, averaged[:n]):
+    def _merge(self, state: DiLoCoState, f: int, averaged: list[torch.Tensor], at_launch) -> None:
+        """Step the outer optimizer on fragment ``f``'s averaged pseudo-gradient and write the result into the model."""
+        params, buffers = self._tensors(state, f)
+        snapshot = [state.snapshot[i] for i in state.fragments[f]]
+        for s, g in zip(snapshot, averaged):
             s.grad = g
-        state.outer.step()
+        state.outer.step()  # steps only the pieces with a gradient: this fragment's
         with torch.no_grad():
-            for s in state.snapshot:
+            for s in snapshot:
                 s.grad = None
-            targets = [s.detach() for s in state.snapshot] + averaged[n:]
-            if at_launch:  # overlap: keep the local step taken while the average travelled
-                for t, new, old in zip(state.params + state.buffers, targets, at_launch):
-                    t.copy_(new + (t - old))
-            else:
-                for t, new in zip(state.params + state.buffers, targets):
+            targets = [s.detach() for s in snapshot] + averaged[len(params):]
+            for t, new, old in zip(params + buffers, targets, at_launch or targets):
+                if at_launch is not None:  # keep the local steps taken while the average travelled
+                    t.add_(new - old)
+                elif self.lateness and self.mixing is not None:
+                    t.mul_(self.mixing).add_(new, alpha=1 - self.mixing)
+                else:
                     t.copy_(new)

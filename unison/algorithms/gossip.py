@@ -61,6 +61,11 @@ class FlatParams:
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.params], split(flat, self.params))
 
+    def add_to_params(self, flat: torch.Tensor) -> None:
+        """Add ``flat`` (laid out like the buffer) to the parameters."""
+        with torch.no_grad():
+            torch._foreach_add_([p.detach() for p in self.params], split(flat, self.params))
+
     def like(self) -> torch.Tensor:
         """A new flat tensor shaped and typed like the buffer."""
         return torch.empty_like(self.flat)
@@ -97,14 +102,18 @@ def flat_params_of(named_parameters) -> list[FlatParams]:
     return [FlatParams(names, params) for names, params in groups.values()]
 
 
-def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group) -> None:
-    """Send and receive (tensor, group rank, tag) triples point to point, and wait for all of them.
+def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group, wait: bool = True) -> list:
+    """Send and receive (tensor, group rank, tag) triples point to point, and wait for all of them
+    (``wait=False``: return their works instead).
 
     A receive matches the send from its peer with the same tag (the index of
     the flat buffer), so several buffers can travel between two ranks at once.
     """
     ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if wait:
+        for work in works:
             work.wait()
+        return []
+    return works

@@ -83,19 +83,22 @@ class Int(Option):
 
 
 class Number(Option):
-    """A finite real number in the range given (``low`` inclusive unless ``open_low``; ``high`` exclusive)."""
+    """A finite real number in the range given (``low`` inclusive unless ``open_low``; ``high`` exclusive);
+    ``optional`` also takes None."""
 
-    def __init__(self, default: Any, low: float = 0.0, open_low: bool = True, high: Optional[float] = None, **kw: Any) -> None:
+    def __init__(self, default: Any, low: float = 0.0, open_low: bool = True, high: Optional[float] = None, optional: bool = False, **kw: Any) -> None:
         super().__init__(default, **kw)
-        self.low, self.open_low, self.high = low, open_low, high
+        self.low, self.open_low, self.high, self.optional = low, open_low, high, optional
 
     def check(self, value: Any) -> Optional[str]:
+        if self.optional and value is None:
+            return None
         ok = _is_number(value) and (value > self.low if self.open_low else value >= self.low)
         ok = ok and (self.high is None or value < self.high)
         if ok:
             return None
         if self.high is not None:
-            return f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g})"
+            return f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g})" + (" or None" if self.optional else "")
         if self.low == 0 and self.open_low:
             return "a positive number"
         return f"a number {'above' if self.open_low else 'of at least'} {self.low:g}"
