@@ -135,6 +135,13 @@ def test_time_to_target_and_speedups():
     summary = report.summarize(losses, workloads.SETTINGS["custom"], None)
     assert summary["target"]["value"] == pytest.approx(1.02)
     assert summary["recommendation"]["contender"] == "ddp"
+    # --target-from: within 2% of that contender's final quality (here the worse one), even with a default target
+    summary = report.summarize(losses, workloads.SETTINGS["charlm"], None, target_from="fp16")
+    assert summary["target"]["value"] == pytest.approx(1.1 * 1.02)
+    assert summary["target"]["source"] == "within 2% of fp16's final validation loss"
+    assert losses[0]["time_to_target_s"] == 1.0 and losses[1]["time_to_target_s"] == 0.5
+    losses[1] = {"spec": "fp16", "label": "fp16", "status": "failed", "error": "boom"}
+    assert report.summarize(losses, workloads.SETTINGS["charlm"], None, target_from="fp16")["target"]["value"] is None
 
 
 # ---- emulated networks --------------------------------------------------------------
@@ -299,3 +306,38 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
     assert r["status"] == "ok", r.get("error")
     grads = 4 * r["params"]
     assert 0.95 * grads < r["link_bytes_per_step"] < 1.2 * grads
+
+
+def bench_json(tmp_path, *argv) -> dict:
+    """Run ``unison bench`` from the tests' folder (for --model) and read its JSON."""
+    cwd = os.getcwd()
+    os.chdir(HERE)
+    try:
+        assert cli.main(["bench", *argv, "--out", str(tmp_path), "--json", str(tmp_path / "bench.json")]) == 0
+    finally:
+        os.chdir(cwd)
+    with open(tmp_path / "bench.json") as f:
+        return json.load(f)
+
+
+def test_a_contender_short_of_the_target_trains_past_its_time_budget(tmp_path):
+    """A time budget spent after 4 steps (1 ms): with a known target, torch DDP trains on until the
+    first evaluation at the target (here within 2% of allreduce's final loss; allreduce, the
+    reference, runs first and trains all its steps); with a time cap equal to the budget, it stops
+    at the first evaluation past the budget, short of an unreachable target."""
+    doc = bench_json(tmp_path / "soft", "--model", "bench_factory:tiny", "--contenders", "ddp", "--target-from", "allreduce",
+                     "--steps", "24", "--eval-every", "4", "--time-budget", "0.001", "--time-cap", "600")
+    ref, ddp = doc["contenders"]
+    assert (ref["spec"], ref["status"], ref["steps"], ref["stopped"]) == ("allreduce", "ok", 24, "steps")
+    assert doc["target"]["value"] == pytest.approx(1.02 * ref["final_quality"])
+    assert doc["target"]["source"] == "within 2% of allreduce's final held-out loss"
+    assert doc["workload"]["time_cap_s"] == 600
+    assert ddp["status"] == "ok" and ddp["stopped"] in ("target", "steps")
+    assert ddp["train_time_s"] > 0.001 and ddp["steps_to_target"] is not None
+    assert ddp["steps"] == ddp["steps_to_target"] > 4  # it stopped where it reached the target, past the budget
+    assert ddp["speedup_vs_ddp"]["target"] == 1.0
+
+    doc = bench_json(tmp_path / "hard", "--model", "bench_factory:tiny", "--contenders", "ddp", "--target", "0",
+                     "--steps", "24", "--eval-every", "4", "--time-budget", "0.001", "--time-cap", "0.001")
+    (ddp,) = doc["contenders"]
+    assert (ddp["status"], ddp["steps"], ddp["stopped"], ddp["time_to_target_s"]) == ("ok", 4, "time cap", None)

@@ -61,15 +61,23 @@ def add_parser(subparsers) -> None:
     net.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, and exit")
     how = p.add_argument_group("how long and how judged (defaults depend on the workload)")
     how.add_argument("--steps", type=positive_int, default=None, help="training steps per contender")
-    how.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS", help="training seconds per contender")
+    how.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                     help="training seconds per contender; one still short of a known target then trains on "
+                     "until it reaches it, its last step or --time-cap")
+    how.add_argument("--time-cap", type=positive_float, default=None, metavar="SECONDS",
+                     help=f"most training seconds for a contender still short of the target after its time budget "
+                     f"(default: {runner.TIME_CAP_FACTOR:g} x the time budget; equal to it: a hard budget)")
     how.add_argument("--target", type=float, default=None, help="target quality (accuracy as a fraction, or a loss)")
+    how.add_argument("--target-from", default=None, metavar="CONTENDER",
+                     help="target: within 2%% of this contender's final quality (e.g. allreduce); it runs first, "
+                     "for its whole step budget (up to --time-cap), and is added if not listed")
     how.add_argument("--eval-every", type=positive_int, default=None, help="steps between evaluations")
     how.add_argument("--batch-size", type=positive_int, default=None, help="samples per step on each rank")
     how.add_argument("--lr", type=positive_float, default=None, help="learning rate")
     how.add_argument("--seed", type=int, default=0, help="seed of the data split and the model")
     how.add_argument("--quick", action="store_true", help="5 contenders, short runs: a few minutes at most")
     how.add_argument("--contender-timeout", type=positive_float, default=None, metavar="SECONDS",
-                     help="fail a contender that runs longer (default: 180 + 3 x the time budget)")
+                     help="fail a contender that runs longer (default: 180 + 3 x the time cap)")
     out = p.add_argument_group("output")
     out.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the plots, JSON and logs")
     out.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here (default: DIR/bench.json)")
@@ -88,7 +96,9 @@ def config_from(args: argparse.Namespace) -> runner.BenchConfig:
         emulate=not args.no_emulation,
         steps=args.steps,
         time_budget_s=args.time_budget,
+        time_cap_s=args.time_cap,
         target=args.target,
+        target_from=args.target_from,
         eval_every=args.eval_every,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -128,7 +138,14 @@ def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not look in the current folder
         workloads.resolve_factory(config.model)
-    return contenders.parse_list(config.contenders, config.quick)
+    specs = contenders.parse_list(config.contenders, config.quick)
+    if config.target_from is not None:
+        if config.target is not None:
+            raise ValueError("give --target or --target-from, not both")
+        ref = contenders.parse(config.target_from)
+        config.target_from = ref.text
+        specs = [ref] + [s for s in specs if s.text != ref.text]  # it runs first: the others learn the target
+    return specs
 
 
 def open_network(config: runner.BenchConfig, console) -> tuple[Optional[netem.Network], dict]:
@@ -165,8 +182,12 @@ def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console, jso
         net, network = open_network(config, console)
         if net is not None:
             stack.callback(net.down)
-        console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; "
-                      f"{run_settings['steps']} steps or {run_settings['time_budget_s']:g} s each")
+        how_long = f"{run_settings['steps']} steps or {run_settings['time_budget_s']:g} s each"
+        if run_settings["time_cap_s"] > run_settings["time_budget_s"] and (config.known_target() is not None or config.target_from):
+            how_long += f" (up to {run_settings['time_cap_s']:g} s to reach the target)"
+        if config.target_from:
+            how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
+        console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; {how_long}")
 
         def progress(i: int, n: int, r: dict) -> None:
             if r["status"] == "ok":
@@ -176,7 +197,7 @@ def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console, jso
                 console.print(f"[{i + 1}/{n}] {escape(r['label'])}: [red]{r['status']}[/]: {escape(r.get('error', ''))}")
 
         results = runner.run_all(config, specs, net, progress)
-    summary = report.summarize(results, settings, config.target)
+    summary = report.summarize(results, settings, config.target, config.target_from)
     doc = {
         "command": " ".join(argv or []),
         "workload": {"name": config.model or config.workload, "metric": settings.metric,

@@ -1,8 +1,9 @@
 """What ``unison bench`` reports: figures per contender, a table, JSON, PNG plots and one recommendation.
 
 ``summarize`` turns the contenders' raw results into the report: the target
-(given, the workload's default, or within 2% of the best final quality when
-the workload has none), each contender's time and steps to reach it (the
+(given, within 2% of one contender's final quality with ``--target-from``, the
+workload's default, or within 2% of the best final quality when the workload
+has none), each contender's time and steps to reach it (the
 first evaluation at or past it, in training time: evaluations pause the
 clock), and speed-ups against torch DDP (DDP's step time or time to target
 over the contender's: above 1 is faster). ``print_table``, ``write_json`` and
@@ -24,20 +25,30 @@ BASELINE = "ddp"
 RELATIVE_TARGET = 0.02
 
 
-def pick_target(results: list[dict], settings: Settings, given: Optional[float]) -> tuple[Optional[float], str]:
-    """The target quality and where it came from."""
+def pick_target(results: list[dict], settings: Settings, given: Optional[float],
+                target_from: Optional[str] = None) -> tuple[Optional[float], str]:
+    """The target quality and where it came from: ``given``; within 2% of the final quality of the
+    contender ``target_from``; the workload's default; or within 2% of the best final quality."""
     if given is not None:
         return given, "--target"
+    if target_from is not None:
+        ref = next((r for r in results if r.get("spec") == target_from), None)
+        label = ref["label"] if ref else target_from
+        if ref is None or ref.get("status") != "ok" or not _finite(ref.get("final_quality")):
+            return None, f"none ({label}, the reference, did not finish)"
+        return _near(ref["final_quality"], settings), f"within {RELATIVE_TARGET:.0%} of {label}'s final {settings.metric}"
     if settings.target is not None:
         return settings.target, "workload default"
     finals = [r["final_quality"] for r in results if r.get("status") == "ok" and _finite(r.get("final_quality"))]
     if not finals:
         return None, "none (no contender finished)"
-    if settings.higher_is_better:
-        best = max(finals)
-        return best - RELATIVE_TARGET * abs(best), f"within {RELATIVE_TARGET:.0%} of the best final {settings.metric}"
-    best = min(finals)
-    return best + RELATIVE_TARGET * abs(best), f"within {RELATIVE_TARGET:.0%} of the best final {settings.metric}"
+    best = max(finals) if settings.higher_is_better else min(finals)
+    return _near(best, settings), f"within {RELATIVE_TARGET:.0%} of the best final {settings.metric}"
+
+
+def _near(quality: float, settings: Settings) -> float:
+    """The quality 2% worse than ``quality``: a target just short of it."""
+    return quality - RELATIVE_TARGET * abs(quality) if settings.higher_is_better else quality + RELATIVE_TARGET * abs(quality)
 
 
 def _finite(x) -> bool:
@@ -54,9 +65,10 @@ def time_to_target(curve: list[list[float]], target: Optional[float], higher_is_
     return None, None
 
 
-def summarize(results: list[dict], settings: Settings, given_target: Optional[float]) -> dict[str, Any]:
+def summarize(results: list[dict], settings: Settings, given_target: Optional[float],
+              target_from: Optional[str] = None) -> dict[str, Any]:
     """Add time to target and speed-ups vs DDP to each result; return the target and recommendation."""
-    target, source = pick_target(results, settings, given_target)
+    target, source = pick_target(results, settings, given_target, target_from)
     for r in results:
         if r.get("status") == "ok":
             r["time_to_target_s"], r["steps_to_target"] = time_to_target(r["curve"], target, settings.higher_is_better)
@@ -155,9 +167,27 @@ def print_table(report: dict, console=None) -> None:
             console.print(f"{escape(r['label'])}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
                           f"({a['gain']:.2f}x the step time at the default {_fmt_mb(a['default_mb'])}; "
                           f"measured {', '.join(f'{_fmt_mb(float(k))}: {v:.1f} ms' for k, v in a['step_ms'].items())})")
+    for line in stop_notes(report):
+        console.print(escape(line))
     if report["network"].get("note"):
         console.print(f"[yellow]note: {escape(report['network']['note'])}[/]")
     console.print(f"[bold green]{escape(report['recommendation']['text'])}[/]")
+
+
+def stop_notes(report: dict) -> list[str]:
+    """One line per contender that trained past its time budget to reach the target, or that the
+    time cap stopped (the others stopped at their last step or at the time budget, as asked)."""
+    w, lines = report["workload"], []
+    for r in report["contenders"]:
+        if r.get("status") != "ok":
+            continue
+        if r.get("stopped") == "target":
+            lines.append(f"{r['label']}: still short of the target when its {w['time_budget_s']:g} s time budget was spent, "
+                         f"it trained on until it reached it ({r['time_to_target_s']:.1f} s, step {r['steps_to_target']} of {w['steps']}).")
+        elif r.get("stopped") == "time cap":
+            why = "" if r.get("time_to_target_s") is not None else ", short of the target"
+            lines.append(f"{r['label']}: stopped at the {w.get('time_cap_s', 0):g} s time cap{why}, after {r['steps']} of {w['steps']} steps.")
+    return lines
 
 
 def _fmt_x(x: Optional[float]) -> str:

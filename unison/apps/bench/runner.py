@@ -24,6 +24,9 @@ from typing import Callable, Optional
 from ...runtime import free_port
 from . import contenders, netem, workloads
 
+#: The default time cap, in time budgets: how long a contender still short of a known target may train.
+TIME_CAP_FACTOR = 10.0
+
 
 @dataclass
 class BenchConfig:
@@ -39,7 +42,9 @@ class BenchConfig:
     emulate: bool = True
     steps: Optional[int] = None
     time_budget_s: Optional[float] = None
+    time_cap_s: Optional[float] = None  # None: TIME_CAP_FACTOR x the time budget
     target: Optional[float] = None
+    target_from: Optional[str] = None  # a contender spec: the target is within 2% of its final quality
     eval_every: Optional[int] = None
     batch_size: Optional[int] = None
     lr: Optional[float] = None
@@ -48,6 +53,13 @@ class BenchConfig:
     out_dir: str = "bench-results"
     pg_timeout_s: float = 300.0
     contender_timeout_s: Optional[float] = None
+
+    def known_target(self) -> Optional[float]:
+        """The target before anything runs (--target or the workload's default), None when it is
+        decided from results (--target-from, or within 2% of the best final quality)."""
+        if self.target is not None:
+            return self.target
+        return None if self.target_from else self.settings().target
 
     def settings(self) -> workloads.Settings:
         return workloads.settings_for(self.workload, self.model)
@@ -60,6 +72,7 @@ class BenchConfig:
         return {
             "steps": steps,
             "time_budget_s": budget,
+            "time_cap_s": max(budget, self.time_cap_s or TIME_CAP_FACTOR * budget),
             "eval_every": self.eval_every or s.eval_every,
             "batch_size": self.batch_size or s.batch_size,
             "lr": self.lr if self.lr is not None else s.lr,
@@ -203,7 +216,7 @@ def _describe_failure(group: RankGroup, rank: int, code: int) -> str:
 def contender_timeout(config: BenchConfig, run: dict) -> float:
     if config.contender_timeout_s:
         return config.contender_timeout_s
-    return 180.0 + 3 * run["time_budget_s"]
+    return 180.0 + 3 * max(run["time_budget_s"], run.get("time_cap_s") or 0.0)
 
 
 def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: dict, net: Optional[netem.Network], log_dir: str) -> dict:
@@ -249,14 +262,31 @@ def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: d
 
 def run_all(config: BenchConfig, specs: list[contenders.Spec], net: Optional[netem.Network],
             progress: Callable[[int, int, dict], None] = lambda i, n, r: None) -> list[dict]:
-    """Run ``specs`` in order; ``progress(i, n, result)`` after each."""
-    run = config.resolved()
+    """Run ``specs`` in order; ``progress(i, n, result)`` after each.
+
+    Each contender's ranks learn the target when it is known before they start
+    (so one still short of it when its time budget is spent trains on, up to the
+    time cap). With ``config.target_from`` that contender, which must come first
+    in ``specs``, trains its whole step budget (up to the time cap) without a
+    target, and the target it sets is given to every contender after it.
+    """
+    from . import report
+
+    settings = config.settings()
+    run = {**config.resolved(), "target": config.known_target(), "higher_is_better": settings.higher_is_better}
     log_dir = os.path.join(config.out_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     results = []
     for i, spec in enumerate(specs):
-        result = run_contender(i, spec, config, run, net, log_dir)
+        this = run
+        if config.target_from and i == 0:
+            if spec.text != config.target_from:
+                raise ValueError(f"the reference contender {config.target_from!r} must run first")
+            this = {**run, "reference": True}  # its final quality after the whole step budget, not the time budget
+        result = run_contender(i, spec, config, this, net, log_dir)
         results.append(result)
+        if config.target_from and i == 0:
+            run = {**run, "target": report.pick_target(results, settings, config.target, config.target_from)[0]}
         progress(i, len(specs), result)
     return results
 

@@ -3,11 +3,18 @@
 Started by the runner with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), inside the node's namespace when
 the network is emulated. Trains the workload for ``steps`` steps or
-``time_budget_s`` seconds of training time, whichever comes first. Every
+``time_budget_s`` seconds of training time, whichever comes first; but when the
+config names a ``target`` quality that the replica has not reached yet when the
+time budget is spent, training goes on until the first evaluation at or past
+the target, the last step, or ``time_cap_s`` seconds (so a contender slowed by
+a slow network still gets its time to the target measured). The ``reference``
+contender, whose final quality sets the target, trains for all its steps (up
+to the time cap). Every
 ``eval_every`` steps the clock stops and rank 0 measures its replica's quality
 on held-out data (so model-averaging contenders are judged by what one replica
 knows); at the end the replicas are made identical and measured once more.
-Rank 0 writes the result as JSON to the config's ``result_path``.
+Rank 0 writes the result, with why training stopped (``stopped``), as JSON to
+the config's ``result_path``.
 
 With ``measure_link`` set, each node's first process reads its link's sent-bytes
 counter around the training loop, so the bytes that really crossed the
@@ -17,6 +24,7 @@ emulated links are known for every contender alike.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -28,6 +36,9 @@ import torch.distributed as dist
 import unison
 
 from . import contenders, workloads
+
+#: Why a contender stopped training, by the code rank 0 broadcasts (0: it goes on).
+STOPS = {0: None, 1: "steps", 2: "time budget", 3: "time cap", 4: "target"}
 
 
 def link_tx_bytes(ifname: Optional[str]) -> float:
@@ -77,21 +88,37 @@ def train(cfg: dict, topo) -> Optional[dict]:
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if cfg.get("measure_link") and topo.local_rank == 0 else None
 
     curve: list[list[float]] = []
+    target, higher = cfg.get("target"), cfg.get("higher_is_better", True)
+    cap = max(cfg.get("time_cap_s") or cfg["time_budget_s"], cfg["time_budget_s"])
+    hit, overtime = [False], [False]  # rank 0: the target was reached; training went on past the time budget
 
-    def evaluate(step: int, clock: float) -> bool:
-        """Rank 0 measures; every rank learns whether the time budget is spent."""
+    def evaluate(step: int, clock: float) -> Optional[str]:
+        """Rank 0 measures and decides; every rank learns whether (and why) training stops."""
         prepared.flush()
+        reason = 0.0
         if is_main:
-            curve.append([round(clock, 4), step, workload.evaluate(workload.model)])
-        stop = torch.tensor([1.0 if clock >= cfg["time_budget_s"] else 0.0])
+            quality = workload.evaluate(workload.model)
+            curve.append([round(clock, 4), step, quality])
+            hit[0] = hit[0] or (target is not None and math.isfinite(quality) and workloads.reached(quality, target, higher))
+            if step >= cfg["steps"]:
+                reason = 1.0
+            elif cfg.get("reference"):  # it sets the target: its final quality after the whole step budget
+                reason = 3.0 if clock >= cap else 0.0
+            elif clock >= cfg["time_budget_s"] and (target is None or hit[0]):
+                reason = 4.0 if overtime[0] else 2.0
+            elif clock >= cap:
+                reason = 3.0
+            elif clock >= cfg["time_budget_s"]:
+                overtime[0] = True  # short of the target: on to it, the last step or the cap
+        stop = torch.tensor([reason])
         dist.broadcast(stop, src=0)
-        return bool(stop.item())
+        return STOPS[int(stop.item())]
 
     evaluate(0, 0.0)
     dist.barrier()
     tx_start = link_tx_bytes(ifname)
     bytes_start = prepared.bytes_total()
-    clock, steps, epoch, done, loss = Clock(), 0, 0, False, None
+    clock, steps, epoch, done, loss = Clock(), 0, 0, None, None
     while not done:
         loader.sampler.set_epoch(epoch)
         clock.start()
@@ -106,7 +133,7 @@ def train(cfg: dict, topo) -> Optional[dict]:
                 beat(heartbeat)
             if steps % cfg["eval_every"] == 0 or steps >= cfg["steps"]:
                 clock.stop()
-                done = evaluate(steps, clock.total) or steps >= cfg["steps"]
+                done = evaluate(steps, clock.total)
                 if done:
                     break
                 clock.start()
@@ -128,6 +155,7 @@ def train(cfg: dict, topo) -> Optional[dict]:
     return {
         "spec": spec.text,
         "steps": steps,
+        "stopped": done,
         "train_time_s": train_time,
         "step_ms": 1000 * train_time / max(steps, 1),
         "samples_per_s": samples / train_time if train_time > 0 else None,
