@@ -212,6 +212,18 @@ def summarize(rounds: list[dict], contenders: list[str]) -> dict:
     return out
 
 
+def split_contenders(text: str) -> list[str]:
+    """"compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
+    an item with "=" and no ":" is one more option of the contender before it."""
+    out: list[str] = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item and out:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contenders", default=DEFAULT, help="comma list (default: %(default)s)")
@@ -225,7 +237,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (UNISON_NODES) the 2 ranks form")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "step_time.json"))
     args = parser.parse_args(argv)
-    contenders = args.contenders.split(",")
+    contenders = split_contenders(args.contenders)
     if args.rounds < 3:
         parser.error("--rounds must be at least 3: the figure is a median of paired ratios")
     os.environ["UNISON_NODES"] = str(args.nodes)

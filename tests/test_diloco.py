@@ -283,7 +283,7 @@ def test_checkpoint_round_trip():
         ({"outer_momentum": 0.0}, "nesterov=True needs outer_momentum > 0"),
         ({"nesterov": "yes"}, "nesterov must be True or False"),
         ({"overlap": 1}, "overlap must be True or False"),
-        ({"wire_dtype": "int8"}, "wire_dtype must be one of 'fp32', 'bf16', 'fp16'"),
+        ({"wire_dtype": "int4"}, "wire_dtype must be one of 'fp32', 'bf16', 'fp16', 'int8'"),
         ({"communication_interval": 4}, "has no option 'communication_interval'"),
     ],
 )

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.averaging import AsyncAverage
+from ..engine.averaging import average_async
 from ..engine.codecs import WIRE_DTYPES
 from ..engine.comm import Finished
 from .base import Algorithm
@@ -34,7 +34,7 @@ class DiLoCoState(CountedState):
     """The outer optimizer and the snapshot it steps (the reference weights, one piece per
     fragment's share of a parameter), the step count, and the syncs in flight."""
 
-    __slots__ = ("count", "names", "params", "buffers", "snapshot", "outer", "group", "fragments", "streams")
+    __slots__ = ("count", "names", "params", "buffers", "snapshot", "outer", "group", "fragments", "streams", "feedback")
 
     def __init__(self, count: StepCount, fragments: list, buffers: list[torch.Tensor], outer: dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
         self.count = count
@@ -51,24 +51,28 @@ class DiLoCoState(CountedState):
         self.outer = torch.optim.SGD(self.snapshot, **outer)
         self.group = group  # None: one process, the average is the replica itself
         self.streams: Optional[Streams] = None
+        self.feedback: dict[int, torch.Tensor] = {}  # int8 wire: per fragment, the quantization error carried
 
     def state_dict(self) -> dict[str, Any]:
+        feedback = {"feedback": {f: e.clone() for f, e in self.feedback.items()}} if self.feedback else {}
         return {
             "steps": self.steps,
             "snapshot": {n: s.detach().clone() for n, s in zip(self.names, self.snapshot)},
             "outer_optimizer": self.outer.state_dict(),
             "in_flight": self.streams.state_dict(),
+            **feedback,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly; the outer optimizer keeps this run's options (lr, momentum, nesterov)."""
         expected = {"steps", "snapshot", "outer_optimizer"}
-        if not expected <= set(state) <= expected | {"in_flight"}:
-            raise ValueError(f"diloco state must have keys {sorted(expected)} (and 'in_flight'), got {sorted(state)}")
+        if not expected <= set(state) <= expected | {"in_flight", "feedback"}:
+            raise ValueError(f"diloco state must have keys {sorted(expected)} (and 'in_flight', 'feedback'), got {sorted(state)}")
         missing = [n for n in self.names if n not in state["snapshot"]]
         if missing:
             raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
         self.streams.load_state_dict(state.get("in_flight", []))
+        self.feedback = {int(f): e.clone() for f, e in state.get("feedback", {}).items()}
         self.count.load_state_dict(state)
         with torch.no_grad():
             for n, s in zip(self.names, self.snapshot):
@@ -87,8 +91,8 @@ class DiLoCo(Algorithm):
         outer_lr: the outer SGD's learning rate.
         outer_momentum: its momentum, in [0, 1) (the paper's 0.9: see the docs).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"`` or ``"fp16"``
-            for the average of the pseudo-gradients.
+        wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"``, ``"fp16"``, or
+            ``"int8"`` (8-bit min-max codes with error feedback) for the pseudo-gradients.
         fragments: how many fragments sync in turn across the period (streaming DiLoCo).
         delay: inner steps a fragment's average travels before its outer step is merged.
         mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
@@ -110,7 +114,7 @@ class DiLoCo(Algorithm):
     outer_lr = Number(0.7, doc="the outer SGD's learning rate")
     outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0, doc="the outer SGD's momentum")
     nesterov = Bool(True, doc="Nesterov outer momentum")
-    wire_dtype = Choice("fp32", tuple(WIRE_DTYPES), convert=lambda v: None if v == "fp32" else WIRE_DTYPES[v], doc="dtype of the averaged pseudo-gradients")
+    wire_dtype = Choice("fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None, doc="wire format of the pseudo-gradients")
     fragments = Int(1, doc="fragments synced in turn across the period")
     delay = Int(0, minimum=0, doc="inner steps an average travels before it is merged")
     mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True, doc="weight of the local weights at a late merge (None: keep the local steps)")
@@ -167,7 +171,9 @@ class DiLoCo(Algorithm):
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
-                pending = AsyncAverage(tensors, state.group, self.wire_dtype)
+                numel = sum(t.numel() for t in tensors) if self.wire_dtype == "int8" else 0
+                feedback = state.feedback.setdefault(f, torch.zeros(numel, device=tensors[0].device)) if numel else None
+                pending = average_async(tensors, state.group, self.wire_dtype, feedback)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch
 
