@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import unison
-from common import launch
+from common import launch, split_contenders
 from unison.apps.workloads import charlm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +50,7 @@ TARGET_RATIO = 1.02
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW, or QAdamOptimizer (its default warm-up) for "qadam", which runs only with it."""
-    if name == "qadam":
+    if name.partition(":")[0] == "qadam":
         return unison.QAdamOptimizer(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
@@ -149,8 +149,9 @@ def verdicts(results: dict) -> None:
     base = results["allreduce"]["val_loss"]
     for name, r in results.items():
         r["ratio"] = r["val_loss"] / base
-        r["model_averaging"] = name in MODEL_AVERAGING
-        r["within_target"] = r["ratio"] <= TARGET_RATIO if name in MODEL_AVERAGING else None
+        averaging = name.partition(":")[0] in MODEL_AVERAGING
+        r["model_averaging"] = averaging
+        r["within_target"] = r["ratio"] <= TARGET_RATIO if averaging else None
 
 
 def print_table(info: dict, cfg: dict, results: dict) -> None:
@@ -169,7 +170,7 @@ def print_table(info: dict, cfg: dict, results: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", default=",".join(unison.algorithms.names()), help="comma-separated names; allreduce is always run")
+    parser.add_argument("--algorithms", default=",".join(unison.algorithms.names()), help="comma-separated names, with options if you like (diloco:fragments=4,delay=2); allreduce is always run")
     parser.add_argument("--epochs", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32, help="windows per rank per step")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's (and QAdam's) learning rate")
@@ -186,10 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=os.path.join(HERE, "results", "charlm.json"))
     args = parser.parse_args(argv)
-    names = [n for n in args.algorithms.split(",") if n]
+    names = split_contenders(args.algorithms)
     names = ["allreduce"] + [n for n in names if n != "allreduce"]
     for n in names:
-        unison.algorithms.get(n)  # an unknown name fails here, before any process starts
+        unison.algorithms.create(n)  # an unknown name or option fails here, before any process starts
     cfg = {k: getattr(args, k) for k in ("epochs", "batch", "lr", "schedule", "warmup", "weight_decay", "bytes", "context", "d_model", "heads", "layers", "nodes", "val_batches", "seed")}
     start = time.perf_counter()
     out = launch(worker, 2, names, cfg)[0]

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
-from common import WORKLOADS, launch
+from common import WORKLOADS, launch, split_contenders
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = (
@@ -209,18 +209,6 @@ def summarize(rounds: list[dict], contenders: list[str]) -> dict:
                 entry[f"vs_{base}"] = statistics.median(ratios)
                 entry[f"vs_{base}_rounds"] = ratios
         out[spec] = entry
-    return out
-
-
-def split_contenders(text: str) -> list[str]:
-    """"compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
-    an item with "=" and no ":" is one more option of the contender before it."""
-    out: list[str] = []
-    for item in filter(None, text.split(",")):
-        if "=" in item and ":" not in item and out:
-            out[-1] += "," + item
-        else:
-            out.append(item)
     return out
 
 

@@ -50,3 +50,15 @@ def launch(fn, nproc: int, *args) -> dict:
     return elastic_launch(config, fn)(*args)
 
 
+
+
+def split_contenders(text: str) -> list[str]:
+    """"compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
+    an item with "=" and no ":" is one more option of the contender before it."""
+    out: list[str] = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item and out:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
