@@ -41,7 +41,6 @@ class Exchange:
     def __init__(self, numel: int, world: int, chunk_size: int, device: torch.device) -> None:
         self.codec = MinMax8(numel, rows=world, chunk_size=chunk_size, device=device)
         self.send, self.recv, self.mine = self.codec.empty(), self.codec.empty(), self.codec.empty(1)
-        self.acc = torch.empty(1, self.codec.chunks, self.codec.size, dtype=torch.float32, device=device)
 
     def run(self, flat: torch.Tensor, group, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum ``flat`` across ``group`` in 8 bits, in place (blocking: run it on a CommThread).
@@ -50,17 +49,11 @@ class Exchange:
         With ``residual``, it is added first and replaced by what this rank's
         quantization lost.
         """
-        codec, n = self.codec, self.codec.numel
-        values = codec.load(flat) if residual is None else codec.load(torch.add(flat, residual, out=residual))
-        codec.encode(values, self.send)
-        if residual is not None:
-            residual.sub_(codec.decode(self.send).view(-1)[:n])
+        self.codec.encode_from(flat, self.send, feedback=residual)
         dist.all_to_all_single(self.recv.view(-1), self.send.view(-1), group=group)
-        torch.sum(codec.decode(self.recv), dim=0, keepdim=True, out=self.acc)
-        codec.encode(self.acc, self.mine)
+        self.codec.sum_encode(self.recv, self.mine)
         _all_gather(self.recv.view(-1), self.mine.view(-1), group=group)
-        flat.copy_(codec.decode(self.recv).view(-1)[:n])
-        return flat
+        return self.codec.decode_into(self.recv, flat)
 
 
 def wire_bytes_8bit(numel: int, world: int, chunk_size: int) -> int:

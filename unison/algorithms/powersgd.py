@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..engine import comm
 from ..engine.buckets import split
+from ..engine.codecs import LowRank, orthogonalize  # noqa: F401 (orthogonalize: this module's name for it)
 from ..engine.flatstate import FlatState
 from .base import Algorithm, State, open_thread
 from .options import Bool, Int, Number
@@ -26,11 +27,6 @@ def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
     """Whether sending rank-``rank`` factors of a tensor of ``shape`` saves at least ``min_rate``."""
     n = shape[0] if len(shape) >= 2 else 0
     return n > 0 and n * (shape.numel() // n) > min_rate * (n + shape.numel() // n) * rank
-
-
-def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis of the columns of ``p`` (n x r) by reduced QR (orthonormal even if ``p`` is rank deficient)."""
-    return torch.linalg.qr(p, mode="reduced").Q
 
 
 def initial_q(name: str, cols: int, rank: int, salt: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,9 +65,9 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class PowerSGDState(State):
-    """Backward passes seen, residuals and Q factors (saved), bucket plans, group and thread."""
+    """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
-    __slots__ = ("steps", "residuals", "qs", "plans", "group", "thread")
+    __slots__ = ("steps", "residuals", "qs", "plans", "buffers", "group", "thread")
     saved = ("steps", "residuals", "qs")
 
     def __init__(self, group=None, thread=None) -> None:
@@ -79,6 +75,7 @@ class PowerSGDState(State):
         self.residuals = FlatState()  # error feedback, per parameter
         self.qs: dict[str, torch.Tensor] = {}  # warm-start factors, per parameter
         self.plans: dict[tuple[str, ...], BucketPlan] = {}
+        self.buffers: dict[tuple[str, ...], tuple[torch.Tensor, LowRank]] = {}  # first message, factors
         self.group, self.thread = group, thread
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,50 +146,46 @@ class PowerSGD(Algorithm):
             q = initial_q(name, cols, self.rank, 0 if self.warm_start else step, dtype, device)
         return q.to(dtype=dtype, device=device)
 
+    def _buffers(self, state: PowerSGDState, bucket, plan: BucketPlan, dtype) -> tuple[torch.Tensor, LowRank]:
+        """The bucket's reusable first message (plain tensors, then the P's) and its factors."""
+        key = tuple(bucket.names)
+        if key not in state.buffers or state.buffers[key][0].dtype != dtype:
+            first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype, device=bucket.flat.device)
+            state.buffers[key] = (first, LowRank(plan.shapes, self.rank, first[plan.plain_numel :]))
+        return state.buffers[key]
+
     def _compressed_reduce(self, state: PowerSGDState, bucket, plan: BucketPlan, step: int) -> None:
         """On the CommThread: add the residuals, exchange P's (with the plain tensors) then Q's, write P Q^T back."""
         residual = state.residuals.get(bucket)
         bucket.flat.add_(residual)
-        views, rank = bucket.views, self.rank
-        dtype, device = work_dtype(bucket.dtype), bucket.flat.device
-        mats = [views[i].reshape(n, m).to(dtype) for i, (n, m) in zip(plan.compressed, plan.shapes)]
-        qs = [self._q(state, bucket.names[i], m, step, dtype, device) for i, (_, m) in zip(plan.compressed, plan.shapes)]
+        views, dtype = bucket.views, work_dtype(bucket.dtype)
+        residuals = split(residual, views)
+        cast = dtype != bucket.dtype  # factors in float32: the matrices are converted copies
+        mats = [views[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
+        errors = [residuals[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
+        if cast:
+            (mats, out_mats), (errors, out_errors) = ([m.to(dtype) for m in mats], mats), ([torch.empty_like(m) for m in errors], errors)
+        first, low = self._buffers(state, bucket, plan, dtype)
+        for k, i in enumerate(plan.compressed):
+            q = self._q(state, bucket.names[i], plan.shapes[k][1], step, dtype, first.device)
+            if q.data_ptr() != low.qs[k].data_ptr():
+                low.qs[k].copy_(q)
 
         plain = [views[i] for i in plan.plain]
-        first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype, device=device)
         if plain:
             torch.cat([v.reshape(-1) for v in plain], out=first[: plan.plain_numel])
-        ps = _factor_views(first[plan.plain_numel :], [n for n, _ in plan.shapes], rank)
-        for mat, q, p in zip(mats, qs, ps):
-            torch.matmul(mat, q, out=p)
+        low.compute_p(mats)
         dist.all_reduce(first, group=state.group)
         for view, part in zip(plain, split(first[: plan.plain_numel], plain)):
             view.copy_(part)
-        for p in ps:
-            p.copy_(orthogonalize(p))
-
-        second = torch.empty(plan.q_numel, dtype=dtype, device=device)
-        new_qs = _factor_views(second, [m for _, m in plan.shapes], rank)
-        for mat, p, q in zip(mats, ps, new_qs):
-            torch.matmul(mat.t(), p, out=q)
-        local_qs = [q.clone() for q in new_qs]
-        dist.all_reduce(second, group=state.group)
-
-        residual_views = split(residual, views)
+        low.orthogonalize_p()
+        low.compute_q(mats)
+        dist.all_reduce(low.q_flat, group=state.group)
+        low.finish(mats, errors)  # residual = M - P Q_local^T, M = P Q^T
+        if cast:
+            for dst, src in zip(out_mats + out_errors, mats + errors):
+                dst.copy_(src)
         for k, i in enumerate(plan.compressed):
-            mat, p, (n, m) = mats[k], ps[k], plan.shapes[k]
-            # residual = M - P Q_local^T and grad = P Q^T, each in one operation (in place when dtypes allow).
-            if mat.dtype == bucket.dtype:
-                torch.addmm(mat, p, local_qs[k].t(), alpha=-1, out=residual_views[i].view(n, m))
-                torch.matmul(p, new_qs[k].t(), out=views[i].view(n, m))
-            else:
-                residual_views[i].view(n, m).copy_(torch.addmm(mat, p, local_qs[k].t(), alpha=-1))
-                views[i].view(n, m).copy_(p @ new_qs[k].t())
-            state.qs[bucket.names[i]] = new_qs[k]
+            state.qs[bucket.names[i]] = low.qs[k]
         for i in plan.plain:
-            residual_views[i].zero_()
-
-
-def _factor_views(flat: torch.Tensor, rows: list[int], rank: int) -> list[torch.Tensor]:
-    """Consecutive rows x rank matrices laid out in ``flat`` (which holds exactly them)."""
-    return [part.view(n, rank) for part, n in zip(flat.split([n * rank for n in rows]), rows)]
+            residuals[i].zero_()
