@@ -356,7 +356,7 @@ def test_bad_options_are_refused_with_what_is_allowed():
             unison.algorithms.create("decentralized", communication_interval=bad)
         with pytest.raises(ValueError, match="communication_interval must be a positive integer"):
             unison.algorithms.create("low_precision_decentralized", communication_interval=bad)
-    with pytest.raises(ValueError, match=r"allowed options: period \(alias communication_interval\)$"):
+    with pytest.raises(ValueError, match=r"allowed options: period \(alias communication_interval\), fragments, delay$"):
         unison.algorithms.create("low_precision_decentralized", peer_selection="ring")
 
 

@@ -18,6 +18,10 @@ from scenarios import max_diff, spread_across_ranks
 
 
 def diloco(net, opt, **options):
+    """The classic schedule (one fragment, no delay) unless the test says otherwise: tests/test_streaming.py has the streamed one."""
+    if not options.get("overlap"):
+        options.setdefault("fragments", 1)
+        options.setdefault("delay", 0)
     return unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("diloco", **options))
 
 

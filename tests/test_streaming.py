@@ -104,10 +104,11 @@ CASES = {
     "diloco_mixing": ("diloco", {"mixing": 0.5}),
     "diloco_keep_local": ("diloco", {}),
     "diloco_int8": ("diloco", {"mixing": 0.5, "wire_dtype": "int8"}),
+    "low_precision_decentralized": ("low_precision_decentralized", {}),
 }
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - {"diloco_int8"}))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"diloco_int8", "low_precision_decentralized"}))
 def test_streamed_schedule_matches_the_hand_computation(case):
     for r in launch.run(check_against_hand, 2, *CASES[case], timeout=90):
         assert max(r["gaps"]) < 1e-5, r["gaps"]
@@ -142,7 +143,7 @@ def check_resume(name: str, options: dict) -> dict:
     return {"in_flight": in_flight, "gaps": gaps, "moved": spread_across_ranks(net)}
 
 
-@pytest.mark.parametrize("case", ["local_sgd", "decentralized_ring", "diloco_mixing", "diloco_int8"])
+@pytest.mark.parametrize("case", ["local_sgd", "decentralized_ring", "diloco_mixing", "diloco_int8", "low_precision_decentralized"])
 def test_checkpoint_with_a_sync_in_flight_resumes_exactly(case):
     for r in launch.run(check_resume, 2, *CASES[case], timeout=90):
         assert r["in_flight"] == 1
@@ -201,7 +202,40 @@ def test_stagger_spreads_the_syncs_over_the_period():
     assert (resolve(3, None, None).fragments, resolve(3, None, None).delay) == (3, 0)
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "decentralized", "diloco"])
+def check_lowprec_streamed(fragments: int, delay: int, name: str = "low_precision_decentralized") -> dict:
+    """8-bit gossip: replicas drift, rounds pull them together, a regression is learnt."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    algorithm = unison.algorithms.create(name, period=PERIOD, fragments=fragments, delay=delay)
+    model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm)
+    teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(rank)
+    probe = torch.randn(256, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        start = F.mse_loss(net(probe), probe @ teacher).item()
+    spreads = []
+    for s in range(1, 61):
+        x = torch.randn(16, 16, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), x @ teacher).backward()
+        opt.step()
+        spreads.append(spread_across_ranks(net))
+    model.average()
+    with torch.no_grad():
+        end = F.mse_loss(net(probe), probe @ teacher).item()
+    return {"start": start, "end": end, "spreads": spreads, "after_average": spread_across_ranks(net)}
+
+
+def test_streamed_low_precision_gossip_learns_and_average_settles():
+    for r in launch.run(check_lowprec_streamed, 2, FRAGMENTS, DELAY, timeout=90):
+        assert r["end"] < 0.6 * r["start"], r
+        assert 0 < max(r["spreads"][-20:]) < 2.0
+        assert r["after_average"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "decentralized", "low_precision_decentralized", "diloco"])
 def test_bad_schedules_are_refused_at_construction(name):
     with pytest.raises(ValueError, match=r"fragments \(5\) must be at most period \(4\)"):
         unison.algorithms.create(name, period=4, fragments=5)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage
 from .base import Algorithm
-from .gossip import FlatParams, exchange, flat_params_of, ring_neighbours, round_robin_partner
+from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
 from .periodic import CountedState, StepCount
 from .streaming import Stagger, Streams, fragments_of, resolve
@@ -56,19 +56,6 @@ class DecentralizedState(CountedState):
         self.count.load_state_dict(state)
         if self.streams:
             self.streams.load_state_dict(state.get("in_flight", []))
-
-
-class Received:
-    """Point-to-point messages in flight; ``wait()`` gives the receive buffers once they landed."""
-
-    def __init__(self, works: list, buffers: list) -> None:
-        self.works, self.buffers = works, buffers
-
-    def wait(self) -> list:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        return self.buffers
 
 
 class Decentralized(Algorithm):

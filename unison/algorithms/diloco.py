@@ -1,14 +1,15 @@
 """DiLoCo (Douillard et al. 2023): many local steps, then one outer step on the
-averaged change of the weights; streaming DiLoCo (Douillard et al. 2025) by options.
+averaged change of the weights, streamed (Douillard et al. 2025) by default.
 
 Every rank trains on local gradients with the user's optimizer (the inner one)
 for ``period`` steps; then the pseudo-gradient, the snapshot taken at the last
 outer step minus the current parameters, is averaged across ranks and given to
 an outer SGD with Nesterov momentum, whose step gives the new snapshot that
-every rank copies into its parameters. Streaming (``fragments``, ``delay``,
+every rank copies into its parameters. Streamed (``fragments``, ``delay``,
 ``mixing``): the weights are cut into fragments synced in turn across the
 period (``streaming.Stagger``), each average travelling for ``delay`` inner
-steps before its outer step is merged; ``overlap=True`` is ``delay=1``.
+steps before its outer step is merged; ``fragments=1, delay=0`` is the classic
+schedule and ``overlap=True`` the classic one with ``delay=1``.
 
 See docs/algorithms.md#diloco.
 """
@@ -27,7 +28,7 @@ from ..engine.comm import Finished
 from .base import Algorithm
 from .options import Bool, Choice, Int, Number
 from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streams, fragments_of
+from .streaming import Stagger, Streams, fragments_of, resolve
 
 
 class DiLoCoState(CountedState):
@@ -93,17 +94,19 @@ class DiLoCo(Algorithm):
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"``, ``"fp16"``, or
             ``"int8"`` (8-bit min-max codes with error feedback) for the pseudo-gradients.
-        fragments: how many fragments sync in turn across the period (streaming DiLoCo).
-        delay: inner steps a fragment's average travels before its outer step is merged.
+        fragments: how many fragments sync in turn across the period (streaming
+            DiLoCo; default ``min(4, period)``, 1 with ``overlap``).
+        delay: inner steps a fragment's average travels before its outer step is
+            merged (default ``period // fragments // 2``; 0 blocks).
         mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
             (the paper's alpha); None keeps the local steps taken meanwhile instead
             (``outer + local - local_at_launch``).
-        overlap: the same as ``delay=1``.
+        overlap: the classic schedule with ``delay=1`` (one fragment unless given).
 
     Example::
 
         model = unison.DataParallel(net, optimizer=opt, algorithm="diloco:period=32,wire_dtype=bf16")
-        streaming = unison.algorithms.create("diloco", fragments=4, delay=2, mixing=0.5)
+        classic = unison.algorithms.create("diloco", fragments=1, delay=0)
     """
 
     name = "diloco"
@@ -115,30 +118,26 @@ class DiLoCo(Algorithm):
     outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0, doc="the outer SGD's momentum")
     nesterov = Bool(True, doc="Nesterov outer momentum")
     wire_dtype = Choice("fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None, doc="wire format of the pseudo-gradients")
-    fragments = Int(1, doc="fragments synced in turn across the period")
-    delay = Int(0, minimum=0, doc="inner steps an average travels before it is merged")
+    fragments = Int(None, optional=True, doc="fragments synced in turn across the period (None: min(4, period))")
+    delay = Int(None, minimum=0, optional=True, doc="inner steps an average travels before it is merged (None: period // fragments // 2)")
     mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True, doc="weight of the local weights at a late merge (None: keep the local steps)")
     overlap = Bool(False, doc="the same as delay=1")
 
     def validate(self) -> None:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0; set nesterov=False for plain outer SGD")
-        if self.overlap and self.delay > 1:
+        if self.overlap and self.delay not in (None, 1):
             raise ValueError(f"overlap=True means delay=1, but delay={self.delay} was given: give only delay")
-        Stagger(self.period, self.fragments, self.lateness)  # refuses fragments > period and delay >= period
-
-    @property
-    def lateness(self) -> int:
-        """The delay in inner steps (``overlap=True`` is 1)."""
-        return max(self.delay, int(self.overlap))
+        fragments = 1 if self.overlap and self.fragments is None else self.fragments
+        self.stagger = resolve(self.period, fragments, 1 if self.overlap else self.delay)  # refuses fragments > period, delay >= period
 
     def setup(self, replica) -> DiLoCoState:
         super().setup(replica)
         buffers = [b for b in replica.buffers if b.is_floating_point()] if replica.broadcast_buffers else []
         group = replica.private_group("diloco") if replica.distributed else None
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
-        state = DiLoCoState(StepCount(self.period), fragments_of(replica.trainable, self.fragments), buffers, outer, group)
-        stagger = Stagger(self.period, len(state.fragments), self.lateness)
+        state = DiLoCoState(StepCount(self.period), fragments_of(replica.trainable, self.stagger.fragments), buffers, outer, group)
+        stagger = Stagger(self.period, len(state.fragments), self.stagger.delay)
         state.streams = Streams(stagger, lambda f: self._launch(state, f), lambda f, avg, at: self._merge(state, f, avg, at))
         return state
 
@@ -167,7 +166,7 @@ class DiLoCo(Algorithm):
         params, buffers = self._tensors(state, f)
         with torch.no_grad():
             tensors = [state.snapshot[i] - p for i, p in zip(state.fragments[f], params)] + buffers
-            at_launch = [t.detach().clone() for t in params + buffers] if self.lateness and self.mixing is None else None
+            at_launch = [t.detach().clone() for t in params + buffers] if self.stagger.delay and self.mixing is None else None
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
@@ -191,7 +190,7 @@ class DiLoCo(Algorithm):
             for t, new, old in zip(params + buffers, targets, at_launch or targets):
                 if at_launch is not None:  # keep the local steps taken while the average travelled
                     t.add_(new - old)
-                elif self.lateness and self.mixing is not None:
+                elif self.stagger.delay and self.mixing is not None:
                     t.mul_(self.mixing).add_(new, alpha=1 - self.mixing)
                 else:
                     t.copy_(new)

@@ -117,3 +117,16 @@ def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch
             work.wait()
         return []
     return works
+
+
+class Received:
+    """Point-to-point messages in flight; ``wait()`` gives the receive buffers once they landed."""
+
+    def __init__(self, works: list, buffers: list) -> None:
+        self.works, self.buffers = works, buffers
+
+    def wait(self) -> list:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.buffers

@@ -4,7 +4,10 @@ Each rank keeps a public copy of its weights and replicas of its ring
 neighbours' public copies. Every ``period`` steps it sends ``Q(x - public)``
 (``unison.engine.codecs``, 8-bit min-max) to both neighbours, adds every
 decoded difference to the matching copy, and sets its weights to the average
-of the copies in its neighbourhood (Bagua's algorithm).
+of the copies in its neighbourhood (Bagua's algorithm). Rounds are streamed
+as decentralized's are (``streaming.Stagger``: ``fragments`` in turn, each
+round's messages travelling for ``delay`` steps, the local steps taken
+meanwhile kept).
 See docs/algorithms.md#low_precision_decentralized.
 """
 
@@ -14,9 +17,10 @@ from typing import Any, Optional
 
 from ..engine.codecs import MinMax8
 from .base import Algorithm
-from .gossip import FlatParams, exchange, flat_params_of, ring_neighbours
+from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours
 from .options import Int
 from .periodic import CountedState, StepCount
+from .streaming import Stagger, Streams, fragments_of, resolve
 
 #: Values per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -43,7 +47,7 @@ class Copies:
 class LowPrecisionState(CountedState):
     """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
-    __slots__ = ("count", "rank", "group", "neighbours", "copies", "refresh", "loaded")
+    __slots__ = ("count", "rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments", "streams")
 
     def __init__(self, count: StepCount, rank: int, group=None, neighbours: Optional[list[int]] = None, copies: Optional[list[Copies]] = None) -> None:
         self.count, self.rank, self.group = count, rank, group
@@ -51,6 +55,8 @@ class LowPrecisionState(CountedState):
         self.copies = copies or []
         self.refresh = False  # the next round first resends the public copies in full precision
         self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
+        self.fragments: list[list[int]] = []  # per fragment, the indices of its copies
+        self.streams: Optional[Streams] = None
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, public copy and replicas (by neighbour rank), per parameter name."""
@@ -61,18 +67,19 @@ class LowPrecisionState(CountedState):
             public.update(c.flat.by_name(c.public))
             for peer, replica in zip(self.neighbours, c.replicas):
                 replicas[peer].update(c.flat.by_name(replica))
-        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas}
+        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas, "in_flight": self.streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the count and copies; the next round refreshes the replicas (see the docs)."""
-        unknown = sorted(set(state) - {"steps", "rank", "public", "replicas"})
+        unknown = sorted(set(state) - {"steps", "rank", "public", "replicas", "in_flight"})
         if unknown:
-            raise ValueError(f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas")
+            raise ValueError(f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas, in_flight")
         self.count.steps = int(state["steps"])
         loaded = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
         if not self.copies:
             self.loaded = loaded
             return
+        self.streams.load_state_dict(state.get("in_flight", []))
         if "public" not in loaded:
             return
         same_ring = loaded.get("rank") == self.rank and sorted(loaded.get("replicas", {})) == sorted(self.neighbours)
@@ -90,6 +97,9 @@ class LowPrecisionDecentralized(Algorithm):
     Args:
         period: optimizer steps between two rounds (1: every step); alias
             ``communication_interval`` (Bagua's name).
+        fragments: fragments of the weights mixed in turn (default ``min(4, period)``).
+        delay: steps a round's messages travel before they are merged (default
+            ``period // fragments // 2``; 0 blocks).
 
     Example::
 
@@ -101,6 +111,11 @@ class LowPrecisionDecentralized(Algorithm):
     replicas_drift = True
     needs_optimizers = True
     period = Int(16, aliases=("communication_interval",), doc="optimizer steps between two rounds")
+    fragments = Int(None, optional=True, doc="fragments of the weights mixed in turn (None: min(4, period))")
+    delay = Int(None, minimum=0, optional=True, doc="steps a round travels before it is merged (None: period // fragments // 2)")
+
+    def validate(self) -> None:
+        self.stagger = resolve(self.period, self.fragments, self.delay)  # refuses fragments > period, delay >= period
 
     def setup(self, replica) -> LowPrecisionState:
         super().setup(replica)
@@ -108,32 +123,63 @@ class LowPrecisionDecentralized(Algorithm):
         if not replica.distributed:
             return LowPrecisionState(count, replica.rank)
         neighbours = ring_neighbours(replica.rank, replica.world_size)
-        copies = [Copies(f, neighbours) for f in flat_params_of(replica.trainable)]
-        return LowPrecisionState(count, replica.rank, replica.private_group(self.name), neighbours, copies)
+        copies, fragments = [], []
+        for piece in fragments_of(replica.trainable, self.stagger.fragments):
+            flats = flat_params_of(piece)
+            fragments.append(list(range(len(copies), len(copies) + len(flats))))
+            copies += [Copies(f, neighbours) for f in flats]
+        state = LowPrecisionState(count, replica.rank, replica.private_group(self.name), neighbours, copies)
+        state.fragments = fragments
+        stagger = Stagger(self.period, len(fragments), self.stagger.delay)
+        state.streams = Streams(stagger, lambda f: self._launch(state, f), lambda f, messages, at: self._merge(state, f, messages, at))
+        return state
 
     def after_step(self, replica, state, optimizer) -> None:
-        if state.count.tick(replica, optimizer) and state.group is not None and state.count.due():
-            self._round(state)
+        if state.count.tick(replica, optimizer) and state.streams is not None:
+            state.streams.advance(state.count.steps)
 
-    def _round(self, state: LowPrecisionState) -> None:
-        """Send, receive and apply the 8-bit differences, then mix."""
+    def average(self, replica, state) -> None:
+        if state.streams:
+            state.streams.finish()
+
+    def teardown(self, replica, state) -> None:
+        if state.streams:
+            state.streams.finish()
+        super().teardown(replica, state)
+
+    def release(self, replica, state) -> None:
+        if state.streams:
+            state.streams.inflight.clear()  # no waiting: the peers may be gone
+
+    def _launch(self, state: LowPrecisionState, f: int):
+        """Send fragment ``f``'s 8-bit differences and start receiving the neighbours'."""
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
-        for tag, c in enumerate(state.copies):
-            c.codec.encode(c.codec.load(c.flat.gather(), minus=c.public), c.send)
+        for tag in state.fragments[f]:
+            c = state.copies[tag]
+            c.codec.encode(c.codec.load(c.flat.gather(), minus=c.public), c.send)  # c.flat.flat: the weights at launch
             sends += [(c.send, peer, tag) for peer in peers]
             recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
             state.bytes_sent += c.codec.nbytes * len(peers)
-        exchange(sends, recvs, state.group)
-        for c in state.copies:
-            c.public.add_(c.decoded(c.send))
-            for replica, received in zip(c.replicas, c.received):
-                replica.add_(c.decoded(received))
+        copies = [state.copies[tag] for tag in state.fragments[f]]
+        return Received(exchange(sends, recvs, state.group, wait=False), [[c.send, *c.received] for c in copies]), [c.flat.flat for c in copies]
+
+    def _merge(self, state: LowPrecisionState, f: int, messages, at_launch) -> None:
+        """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
+        for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
+            c = state.copies[tag]
+            c.public.add_(c.decoded(sent))
+            for replica, message in zip(c.replicas, received):
+                replica.add_(c.decoded(message))
             c.mix.copy_(c.public)
             for replica in c.replicas:
                 c.mix.add_(replica)
-            c.flat.scatter(c.mix.div_(len(peers) + 1))
+            c.mix.div_(len(c.replicas) + 1)
+            if self.stagger.delay:
+                c.flat.add_to_params(c.mix.sub_(x0))
+            else:
+                c.flat.scatter(c.mix)
 
     def _refresh_replicas(self, state: LowPrecisionState) -> None:
         """Overwrite the replicas with the neighbours' public copies, sent in full precision."""
