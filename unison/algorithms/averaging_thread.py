@@ -6,6 +6,11 @@ allreduce (MIN) of a "keep going" flag, so every rank stops after the same round
 then it snapshots the parameters under the state's lock, averages the snapshots
 (lock released: training goes on) and, under the lock, adds ``average - snapshot``
 to every parameter. See docs/algorithms.md#async.
+
+The snapshot and the average live in two flat buffers kept for the thread's
+life (``FlatRound``): a round copies the parameters once (under the lock), and
+every other pass (divide, subtract, add) works in place, so a round costs the
+training thread's core a few memory passes rather than fresh allocations.
 """
 
 from __future__ import annotations
@@ -21,12 +26,75 @@ import torch
 import torch.distributed as dist
 
 from ..engine import comm
-from ..engine.averaging import AsyncAverage
+from ..engine.averaging import CHUNK_BYTES
 
 #: Longest pause between two checks of an average in flight.
 POLL_MAX_S = 0.002
 #: Longest wait for a thread at interpreter exit (the process exits anyway).
 EXIT_JOIN_S = 5.0
+
+
+class FlatRound:
+    """The snapshot of ``params`` and its average over ``group``, in flat buffers
+    allocated once (one pair per dtype and device), averaged in chunks of at most
+    ``chunk_bytes`` (views: nothing is copied for the wire).
+
+    Example::
+
+        r = FlatRound(params, group)
+        params = r.ordered(params)
+        r.snapshot(params)     # under the lock: one copy
+        r.launch()             # the average of the snapshots, in flight
+        ...; r.wait(); r.deltas()                  # average - snapshot, in place
+        torch._foreach_add_(params, r.delta_views)  # under the lock
+    """
+
+    def __init__(self, params, group, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.group, self.world, self.chunk_bytes = group, dist.get_world_size(group), chunk_bytes
+        kinds: dict = {}
+        for i, p in enumerate(params):
+            kinds.setdefault((p.dtype, p.device), []).append(i)
+        self.order = [i for idx in kinds.values() for i in idx]  # params, grouped by kind
+        self.snaps, self.wires, snap_views, wire_views = [], [], [], []
+        for (dtype, device), idx in kinds.items():
+            sizes, shapes = [params[i].numel() for i in idx], [params[i].shape for i in idx]
+            snap, wire = (torch.empty(sum(sizes), dtype=dtype, device=device) for _ in range(2))
+            self.snaps.append(snap)
+            self.wires.append(wire)
+            snap_views += [v.view(s) for v, s in zip(snap.split(sizes), shapes)]
+            wire_views += [v.view(s) for v, s in zip(wire.split(sizes), shapes)]
+        self.snap_views, self.delta_views = snap_views, wire_views  # in self.order
+        self.wire_bytes = sum(comm.ring_bytes(w.numel() * w.element_size(), self.world) for w in self.wires)
+        self.works: list = []
+
+    def ordered(self, params) -> list:
+        return [params[i] for i in self.order]
+
+    def snapshot(self, params) -> None:
+        """Copy ``params`` (given in ``self.order``) into the snapshot."""
+        torch._foreach_copy_(self.snap_views, params)
+
+    def launch(self) -> "FlatRound":
+        """Start averaging the snapshots: each rank sends its snapshot / world, summed."""
+        self.works = []
+        for snap, wire in zip(self.snaps, self.wires):
+            torch.div(snap, self.world, out=wire)
+            step = max(1, self.chunk_bytes // max(1, wire.element_size()))
+            self.works += [comm.start(dist.all_reduce, part, group=self.group) for part in wire.split(step)]
+        return self
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+    def deltas(self) -> None:
+        """Turn the average into ``average - snapshot``, in place (``delta_views``)."""
+        for snap, wire in zip(self.snaps, self.wires):
+            wire.sub_(snap)
 
 
 class AveragingThread(threading.Thread):
@@ -49,6 +117,7 @@ class AveragingThread(threading.Thread):
         self.failure: Optional[tuple[BaseException, str]] = None  # the error and its traceback
         self.stopped_by_peer = False  # some other rank said stop
         self.stopping = threading.Event()
+        self.buffers: Optional[FlatRound] = None  # built by the first round, kept for the next ones
         _live.add(self)
         self.start()
 
@@ -84,20 +153,21 @@ class AveragingThread(threading.Thread):
     def _round(self) -> None:
         """Average the snapshots and add (average - own snapshot) to the parameters."""
         s = self.state
+        if self.buffers is None:
+            self.buffers = FlatRound(s.params, s.group)
+        buffers, params = self.buffers, self.buffers.ordered([p.data for p in s.params])  # .data: no version bump
         with s.lock:
-            snapshot = [p.detach().clone() for p in s.params]
-        pending = AsyncAverage(snapshot, s.group)
+            buffers.snapshot(params)
+        pending = buffers.launch()
         s.bytes_sent += pending.wire_bytes
-        deltas = self._wait(pending)
-        for d, snap in zip(deltas, snapshot):
-            d.sub_(snap)
+        self._wait(pending)
+        buffers.deltas()
         with s.lock:
-            for p, d in zip(s.params, deltas):
-                p.data.add_(d)
+            torch._foreach_add_(params, buffers.delta_views)
         s.rounds += 1
 
-    def _wait(self, pending: AsyncAverage) -> list[torch.Tensor]:
-        """The average, or an error once the timeout has passed (a rank whose thread
+    def _wait(self, pending: FlatRound) -> None:
+        """Wait for the average, or raise once the timeout has passed (a rank whose thread
         failed before sending its part would otherwise keep this one waiting)."""
         s = self.state
         deadline, pause = time.monotonic() + s.timeout.total_seconds(), 1e-4
@@ -110,7 +180,7 @@ class AveragingThread(threading.Thread):
             time.sleep(pause)
             pause = min(2 * pause, POLL_MAX_S)
         try:
-            return pending.wait()
+            pending.wait()
         except RuntimeError as exc:
             raise RuntimeError(f"averaging round {s.rounds + 1} failed: another rank has exited. {exc}") from exc
 

@@ -1,10 +1,10 @@
 """DASO's transport: the node and inter-node groups, and the weight syncs between nodes.
 
-Gradients are averaged over a private copy of the node's group. Weights travel
-over one inter-node group at a time (the processes of one local rank on every
-node), as differences from the last average that group agreed on (the
-"anchor"), in the wire dtype; the member then broadcasts them in its node.
-See docs/algorithms.md#daso.
+Gradients are averaged over a private copy of the node's group. Weights travel over one inter-node
+group at a time (the processes of one local rank on every node), as differences from the last average
+that group agreed on (the "anchor"), in the wire dtype; the member then broadcasts them in its node.
+Syncs travel in flat buffers kept between syncs, cast slice by slice through a small scratch: fresh
+allocations and mixed-dtype ops cost the training core far more. See docs/algorithms.md#daso.
 """
 
 from __future__ import annotations
@@ -15,7 +15,27 @@ import torch
 import torch.distributed as dist
 
 from ..engine import comm
-from ..engine.averaging import AsyncAverage
+
+SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch stays in cache)
+
+
+class Sync(comm.Finished):
+    """A global sync in flight: ``wait()`` returns its average, in the views it lands in."""
+
+    def __init__(self, works: list, values: list[torch.Tensor]) -> None:
+        super().__init__(values)
+        self.works = works
+
+    def wait(self) -> list[torch.Tensor]:
+        while self.works:
+            self.works.pop(0).wait()
+        return super().wait()
+
+
+def sliced(fn, *flats: torch.Tensor) -> None:
+    """``fn(*slices)`` over consecutive slices of at most SLICE elements of equally long 1-D tensors."""
+    for i in range(0, flats[0].numel(), SLICE):
+        fn(*(f[i : i + SLICE] for f in flats))
 
 
 class Transport:
@@ -28,7 +48,7 @@ class Transport:
         inter: this rank's inter-node group (None: one node).
         local_rank, local_size, nodes: where this process sits.
         wire: the dtype syncs travel in (None: the weights' own, whole).
-        chunk_elems: elements per collective (whole tensors; a larger one goes alone).
+        chunk_elems: elements per collective (slices of the flat buffer).
 
     Example::
 
@@ -39,7 +59,7 @@ class Transport:
 
     __slots__ = (
         "params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
-        "inflight", "relative", "anchor", "bytes_sent",
+        "inflight", "relative", "anchor", "bytes_sent", "buffers",
     )
 
     def __init__(
@@ -53,7 +73,7 @@ class Transport:
         self.inflight: Any = None  # this rank's sync in flight (something with wait())
         self.relative = False  # whether it carries differences from the anchor
         self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
-        self.bytes_sent = 0
+        self.bytes_sent, self.buffers = 0, {}  # buffers: the wire dtype's (Transport.flat)
 
     @classmethod
     def build(cls, replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
@@ -73,34 +93,56 @@ class Transport:
         return cls(params, grad, intra, inter, topo.local_rank, local_size, nodes, wire, chunk_elems)
 
     # ---- one global sync --------------------------------------------------
-    def start(self) -> None:
-        """Launch this rank's part of its inter-node group's average (non-blocking).
+    def flat(self, dtype: Optional[torch.dtype]) -> tuple[list, list, list]:
+        """(flat buffers, views shaped like the weights, each weight's scratch): one buffer per weight
+        dtype and device, in ``dtype`` (None: the weights' own); kept if it is the wire's."""
+        if dtype in self.buffers:
+            return self.buffers[dtype]
+        kind_of = [(p.dtype, p.device) for p in self.params]
+        kinds = {k: [i for i, ki in enumerate(kind_of) if ki == k] for k in dict.fromkeys(kind_of)}
+        flats, views, scratches = [], [None] * len(self.params), [None] * len(self.params)
+        for (kind, device), idx in kinds.items():
+            sizes = [self.params[i].numel() for i in idx]
+            flats.append(torch.empty(sum(sizes), dtype=dtype or kind, device=device))
+            scratch = torch.empty(min(SLICE, sum(sizes)), dtype=kind, device=device)
+            for i, v in zip(idx, flats[-1].split(sizes)):
+                views[i], scratches[i] = v.view(self.params[i].shape), scratch
+        if dtype == self.wire:
+            self.buffers[dtype] = (flats, views, scratches)
+        return flats, views, scratches
 
-        Cast, it carries the difference from the anchor; the first sync of a
-        group (no anchor yet) carries the weights in full precision.
-        """
-        relative = self.wire is not None and self.anchor is not None
+    def start(self) -> None:
+        """Launch this rank's part of its inter-node group's average (non-blocking). Cast, it carries
+        the difference from the anchor; a group's first sync (no anchor yet) the weights, uncast."""
+        relative, world = self.wire is not None and self.anchor is not None, dist.get_world_size(self.inter)
+        flats, views, scratches = self.flat(self.wire if relative else None)
         with torch.no_grad():
-            payload = [p.detach() - a for p, a in zip(self.params, self.anchor)] if relative else [p.detach() for p in self.params]
-        chunk_bytes = self.chunk_elems * max(1, self.params[0].element_size()) if self.params else 1
-        self.inflight = AsyncAverage(payload, self.inter, self.wire if relative else None, chunk_bytes=chunk_bytes)
-        self.relative = relative
-        self.bytes_sent += self.inflight.wire_bytes
+            if not relative:
+                torch._foreach_copy_(views, [p.detach() for p in self.params])
+            for p, v, a, s in zip(self.params, views, self.anchor if relative else (), scratches):  # p - anchor, cast
+                sliced(lambda w, x, y: w.copy_(torch.sub(x, y, out=s[: x.numel()])), v.view(-1), p.reshape(-1), a.reshape(-1))
+            parts = [part for f in flats for part in f.div_(world).split(self.chunk_elems)]
+        works = [comm.start(dist.all_reduce, part, group=self.inter) for part in parts]
+        sent = sum(comm.ring_bytes(part.numel() * part.element_size(), world) for part in parts)
+        self.inflight, self.relative = Sync(works, views), relative
+        self.bytes_sent += sent
 
     def finish(self) -> list[torch.Tensor]:
         """The group's average from the sync in flight; it becomes the group's new anchor."""
         values, self.inflight = self.inflight.wait(), None
-        if self.relative:
-            values = [a + d for a, d in zip(self.anchor, values)]
+        if self.relative:  # anchor += the average difference, cast back slice by slice
+            with torch.no_grad():
+                for a, d, s in zip(self.anchor, values, self.flat(self.wire)[2]):
+                    sliced(lambda x, y: x.add_(s[: y.numel()].copy_(y)), a.view(-1), d.reshape(-1))
+            values = self.anchor
         if self.wire is not None:
-            self.anchor = values
+            self.anchor = values  # a full-precision sync's buffer is not kept: the anchor owns it
         return values
 
     def drop(self) -> None:
         """Wait for this rank's sync in flight (its peers launched it too) and forget it."""
         if self.inflight is not None:
-            self.inflight.wait()
-            self.inflight = None
+            self.inflight, _ = None, self.inflight.wait()
 
     def receive(self, local_rank: int, batches_to_wait: int) -> None:
         """The group of ``local_rank`` merges its stale average ``a`` into its weights ``x``
@@ -118,8 +160,7 @@ class Transport:
         if self.local_rank == local_rank:
             self.start()
             with torch.no_grad():
-                for p, a in zip(self.params, self.finish()):
-                    p.copy_(a)
+                torch._foreach_copy_(self.params, self.finish())
         self.broadcast(local_rank)
 
     def broadcast(self, local_rank: int) -> None:
@@ -141,14 +182,11 @@ class Transport:
 
     # ---- state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The sync in flight and the anchor, so a resumed run merges it at the same batch.
-
-        No new communication: a sync in flight is waited for (every peer
-        launched it already) and kept, received but not yet merged.
-        """
+        """The sync in flight and the anchor, so a resumed run merges it at the same batch. No new
+        communication: a sync in flight is waited for (every peer launched it) and kept, not yet merged."""
         inflight = None
-        if self.inflight is not None:
-            values = [v.clone() for v in self.inflight.wait()]
+        if self.inflight is not None:  # values in the weights' dtype, as they were before syncs were kept flat
+            values = [v.to(p.dtype, copy=True) for v, p in zip(self.inflight.wait(), self.params)]
             self.inflight = comm.Finished(values)
             inflight = {"values": values, "relative": self.relative}
         return {"inflight": inflight, "anchor": None if self.anchor is None else [a.clone() for a in self.anchor]}
@@ -157,6 +195,6 @@ class Transport:
         """Restore the sync in flight and the anchor (without one, the next sync re-establishes it)."""
         self.drop()
         anchor, inflight = state.get("anchor"), state.get("inflight")
-        self.anchor = None if anchor is None else [a.clone() for a in anchor]
+        self.anchor = None if anchor is None else [a.clone(memory_format=torch.contiguous_format) for a in anchor]
         self.inflight = None if inflight is None else comm.Finished([v.clone() for v in inflight["values"]])
         self.relative = bool(inflight and inflight["relative"])
