@@ -26,7 +26,7 @@ from .base import Algorithm
 from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
 from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streams, fragments_of, resolve
+from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
 
 PEER_SELECTIONS = ("all", "shift_one", "ring")
 
@@ -58,7 +58,7 @@ class DecentralizedState(CountedState):
             self.streams.load_state_dict(state.get("in_flight", []))
 
 
-class Decentralized(Algorithm):
+class Decentralized(Streamed, Algorithm):
     """Weight mixing with peers (all, one rotating partner, or ring neighbours) every ``period`` steps.
 
     Args:
@@ -111,19 +111,6 @@ class Decentralized(Algorithm):
         """After a training step: merge the rounds due, launch the fragments due."""
         if state.count.tick(replica, optimizer) and state.streams is not None:
             state.streams.advance(state.count.steps)
-
-    def average(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-
-    def teardown(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-        super().teardown(replica, state)
-
-    def release(self, replica, state) -> None:
-        if state.streams:
-            state.streams.inflight.clear()  # no waiting: the peers may be gone
 
     def _peers(self, replica, round_index: int) -> list[int]:
         """The group ranks this rank mixes with in round ``round_index`` (point-to-point modes)."""

@@ -28,7 +28,7 @@ from ..engine.comm import Finished
 from .base import Algorithm
 from .options import Bool, Choice, Int, Number
 from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streams, fragments_of, resolve
+from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
 
 
 class DiLoCoState(CountedState):
@@ -84,7 +84,7 @@ class DiLoCoState(CountedState):
             group.update(values)
 
 
-class DiLoCo(Algorithm):
+class DiLoCo(Streamed, Algorithm):
     """Local training with an outer Nesterov step on the averaged pseudo-gradient every ``period`` steps.
 
     Args:
@@ -145,17 +145,6 @@ class DiLoCo(Algorithm):
         """Count an inner step; merge the outer steps due; launch the fragments due."""
         if state.count.tick(replica, optimizer):
             state.streams.advance(state.count.steps)
-
-    def average(self, replica, state) -> None:
-        """Merge the averages in flight; the wrapper then averages the parameters themselves."""
-        state.streams.finish()
-
-    def teardown(self, replica, state) -> None:
-        state.streams.finish()
-        super().teardown(replica, state)
-
-    def release(self, replica, state) -> None:
-        state.streams.inflight.clear()  # no waiting: the peers may be gone
 
     def _tensors(self, state: DiLoCoState, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Fragment ``f``'s parameter pieces and buffers (the last fragment carries the buffers)."""

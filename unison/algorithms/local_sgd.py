@@ -26,7 +26,7 @@ from ..engine.averaging import AsyncAverage, average_
 from .base import Algorithm
 from .options import Bool, Int
 from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streams, fragments_of, resolve
+from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
 
 
 class LocalSGDState(CountedState):
@@ -47,7 +47,7 @@ class LocalSGDState(CountedState):
             self.streams.load_state_dict(state.get("in_flight", []))
 
 
-class LocalSGD(Algorithm):
+class LocalSGD(Streamed, Algorithm):
     """Periodic weight averaging after a synchronous warm-up.
 
     Args:
@@ -109,20 +109,6 @@ class LocalSGD(Algorithm):
         state.streams.advance(state.count.local_steps)
         if state.intra is not None and state.count.due(self.local_period) and not state.count.due():
             state.bytes_sent += average_(replica.parameters + [b for b in replica.buffers if b.is_floating_point()], state.intra)
-
-    def average(self, replica, state) -> None:
-        """Land the averages in flight; the wrapper then averages the weights themselves."""
-        if state.streams:
-            state.streams.finish()
-
-    def teardown(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-        super().teardown(replica, state)
-
-    def release(self, replica, state) -> None:
-        if state.streams:
-            state.streams.inflight.clear()  # no waiting: the peers may be gone
 
     def _launch(self, state: LocalSGDState, group, f: int):
         """Start averaging fragment ``f``; keep its values when the average lands late."""

@@ -20,7 +20,7 @@ from .base import Algorithm
 from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours
 from .options import Int
 from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streams, fragments_of, resolve
+from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
 
 #: Values per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -91,7 +91,7 @@ class LowPrecisionState(CountedState):
         self.refresh = True
 
 
-class LowPrecisionDecentralized(Algorithm):
+class LowPrecisionDecentralized(Streamed, Algorithm):
     """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
 
     Args:
@@ -137,19 +137,6 @@ class LowPrecisionDecentralized(Algorithm):
     def after_step(self, replica, state, optimizer) -> None:
         if state.count.tick(replica, optimizer) and state.streams is not None:
             state.streams.advance(state.count.steps)
-
-    def average(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-
-    def teardown(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-        super().teardown(replica, state)
-
-    def release(self, replica, state) -> None:
-        if state.streams:
-            state.streams.inflight.clear()  # no waiting: the peers may be gone
 
     def _launch(self, state: LowPrecisionState, f: int):
         """Send fragment ``f``'s 8-bit differences and start receiving the neighbours'."""

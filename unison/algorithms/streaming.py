@@ -141,6 +141,25 @@ class Streams:
             self.inflight[int(e["fragment"])] = (int(e["step"]), Finished(e["result"]), e["extra"])
 
 
+class Streamed:
+    """The events every streamed algorithm handles alike (mix in before ``Algorithm``): ``average()``
+    and ``switch_to()`` merge the syncs in flight, and a wrapper collected without ``close()``
+    forgets them (no waiting: the peers may be gone). The state holds ``streams`` (None alone)."""
+
+    def average(self, replica, state) -> None:
+        if state.streams:
+            state.streams.finish()
+
+    def teardown(self, replica, state) -> None:
+        if state.streams:
+            state.streams.finish()
+        super().teardown(replica, state)
+
+    def release(self, replica, state) -> None:
+        if state.streams:
+            state.streams.inflight.clear()
+
+
 def _copy(value: Any) -> Any:
     """``value`` with every tensor in its (nested) lists cloned: a state dict outlives reused buffers."""
     if isinstance(value, torch.Tensor):
