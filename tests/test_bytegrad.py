@@ -15,8 +15,9 @@ import launch
 import unison
 from models import MLP, batch
 from scenarios import mse_loss, spread_across_ranks
-from unison.algorithms.bytegrad import ByteGrad
-from unison.engine.codecs import dequantize_minmax, minmax_bytes, quantize_minmax
+from unison.algorithms.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
+from unison.engine import codecs
+from unison.engine.codecs import MinMax8, dequantize_minmax, minmax_bytes, quantize_minmax
 
 STEPS = 5
 # Largest relative difference allowed between bytegrad's and allreduce's parameter
@@ -78,6 +79,47 @@ def test_codec_rejects_bad_chunks():
         quantize_minmax(torch.ones(4), 0)
     with pytest.raises(ValueError, match="chunks"):
         dequantize_minmax(torch.zeros(10, dtype=torch.uint8), torch.zeros(3), torch.zeros(3), 10)
+
+
+@pytest.mark.parametrize("numel,rows,chunk_size,parts", [(5000, 2, 10, 7), (4999, 3, 7, 50), (1000, 8, 3, 4), (300, 2, 10, 1)])
+def test_split_codec_is_the_whole_codec_bit_for_bit(monkeypatch, numel, rows, chunk_size, parts):
+    # Small blocks, so that small buffers make many parts (the padding of 3 and 8 rows included).
+    monkeypatch.setattr(codecs, "BLOCK", 64)
+    g = torch.Generator().manual_seed(numel)
+    x, feedback = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 0.01
+    whole = MinMax8(numel, rows=rows, chunk_size=chunk_size)
+    pieces = whole.split(parts)
+    assert 1 <= len(pieces) <= parts and sum(p.chunks for p in pieces) == whole.chunks
+    f1 = feedback.clone()
+    packed = whole.encode_from(x.clone(), whole.empty(), feedback=f1)
+    x2, f2 = x.clone(), feedback.clone()
+    pad = whole.pad_value(x2, f2)
+    split = [p.encode_from(x2, p.empty(), feedback=f2, pad=pad) for p in pieces]
+    assert torch.equal(f1, f2), "error feedback differs"
+    mins, scales, codes = whole.parts(packed)
+    summed = whole.sum_encode(packed, whole.empty(1))
+    first = 0
+    for p, b in zip(pieces, split):
+        m, s, c = p.parts(b)
+        part = slice(first, first + p.chunks)
+        assert torch.equal(m, mins[:, part]) and torch.equal(s, scales[:, part]) and torch.equal(c, codes[:, part])
+        sm, ss, sc = p.parts(p.sum_encode(b, p.empty(1)))
+        wm, ws, wc = whole.parts(summed)
+        assert torch.equal(sm, wm[:, part]) and torch.equal(ss, ws[:, part]) and torch.equal(sc, wc[:, part])
+        first += p.chunks
+    out = torch.full((numel,), float("nan"))
+    for p, b in zip(pieces, split):
+        p.decode_into(b, out)
+    assert torch.equal(out, whole.decode_into(packed, torch.empty(numel)))
+
+
+@pytest.mark.parametrize("numel,world", [(3_000_001, 2), (2_500_000, 3), (1000, 2)])
+def test_wire_bytes_are_the_parts_rows(numel, world):
+    ex = Exchange(numel, world, 1000, torch.device("cpu"), part_values=500_000)
+    assert len(ex.parts) >= (2 if numel > 10**6 else 1)
+    sent = 2 * (world - 1) * sum(p.row_bytes for p in ex.parts)
+    assert wire_bytes_8bit(numel, world, 1000, 500_000) == sent
+    assert abs(sent - 2 * (world - 1) * ex.codec.row_bytes) <= 8 * len(ex.parts)
 
 
 # ---- options ------------------------------------------------------------------
@@ -215,9 +257,37 @@ def one_rank_group():
     return out
 
 
+def pipelined_exchange():
+    """An Exchange in many pipelined parts next to one in a single part, on the same values."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x, residual = torch.randn(5000, generator=g), torch.randn(5000, generator=g) * 0.01
+    block, codecs.BLOCK = codecs.BLOCK, 64  # small blocks: many parts of a small buffer
+    try:
+        many = Exchange(x.numel(), world, 10, x.device, part_values=300)
+    finally:
+        codecs.BLOCK = block
+    one = Exchange(x.numel(), world, 10, x.device, part_values=10**9)
+    a, ra, b, rb = x.clone(), residual.clone(), x.clone(), residual.clone()
+    many.run(a, dist.group.WORLD, ra)
+    one.run(b, dist.group.WORLD, rb)
+    exact = x + residual
+    dist.all_reduce(exact)
+    lo, hi = a.clone(), a.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return {
+        "parts": (len(many.parts), len(one.parts)),
+        "diff": (a - b).abs().max().item(),
+        "residual_diff": (ra - rb).abs().max().item(),
+        "spread": (hi - lo).abs().max().item(),
+        "error": ((a - exact).norm() / exact.norm()).item(),
+    }
+
+
 def all_checks(world):
     """Everything checked on real ranks, in one launched group."""
-    out = {"vs_allreduce": against_allreduce(), "checkpoint": error_feedback_checkpoint()}
+    out = {"vs_allreduce": against_allreduce(), "checkpoint": error_feedback_checkpoint(), "pipelined": pipelined_exchange()}
     if world == 2:
         out["one_rank"] = one_rank_group()
     return out
@@ -269,3 +339,13 @@ def test_group_of_one_is_exact(ranks):
     assert solo["diff"] == 0.0
     # A group of one has nothing to reduce: no gradient engine, nothing sent, as for allreduce.
     assert solo["bytes"] == solo["allreduce_bytes"] == 0
+
+
+def test_pipelined_parts_are_bit_identical_to_one_part(ranks):
+    world, results = ranks
+    for r in results:
+        p = r["pipelined"]
+        assert p["parts"][0] > 4 and p["parts"][1] == 1, p["parts"]
+        assert p["diff"] == 0.0 and p["residual_diff"] == 0.0, p
+        assert p["spread"] == 0.0, f"ranks differ by {p['spread']}"
+        assert 0 < p["error"] < 0.05, p["error"]

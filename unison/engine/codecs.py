@@ -20,6 +20,7 @@ operation (several times faster on CPU), and needs no buffer of the input's size
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -175,15 +176,16 @@ class MinMax8:
         w[real:].fill_(pad)
         return w.view(c, self.size), False
 
-    def encode_from(self, x: torch.Tensor, packed: torch.Tensor, feedback: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def encode_from(self, x: torch.Tensor, packed: torch.Tensor, feedback: Optional[torch.Tensor] = None, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Quantize the flat ``x`` (``numel`` values, any float dtype) into ``packed`` (all rows); returns ``packed``.
 
         With ``feedback`` (flat, like ``x``): ``x + feedback`` is quantized,
         and ``feedback`` becomes what quantization lost (error feedback).
+        ``pad`` (default ``pad_value(x, feedback)`` now) fills the padding.
         """
         mins, scales, codes = self.parts(packed)
-        n = self.numel
-        pad = torch.zeros((), dtype=x.dtype, device=x.device) if n == 0 else x[n - 1] if feedback is None else x[n - 1] + feedback[n - 1]
+        if pad is None:
+            pad = self.pad_value(x, feedback)
         source = x if feedback is None else feedback
         for block in self._blocks:
             row, c0, c, start, real = block
@@ -196,6 +198,37 @@ class MinMax8:
                 lost = decode_(out[2], out[0], out[1], self._work[1, :c]).view(-1)
                 feedback[start : start + real].sub_(lost[:real])
         return packed
+
+    def pad_value(self, x: torch.Tensor, feedback: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What ``encode_from`` pads with: the last value it quantizes (a 0-d tensor, a copy)."""
+        n = self.numel
+        if n == 0:
+            return torch.zeros((), dtype=x.dtype, device=x.device)
+        return x[n - 1].clone() if feedback is None else x[n - 1] + feedback[n - 1]
+
+    def split(self, parts: int) -> list["MinMax8"]:
+        """This codec cut into at most ``parts`` codecs, each of consecutive whole blocks of every row.
+
+        A part quantizes the same chunks of the same values as this codec, so
+        it encodes, sums and decodes them bit for bit as this codec does, into
+        its own packed layout (``rows`` rows of its chunks). Its ``encode_from``
+        / ``sum_encode`` / ``decode_into`` take the whole flat buffer and touch
+        only its chunks (pass every part the same ``pad``: ``pad_value`` taken
+        before the first). The parts share this codec's scratch: run them one at a time.
+        """
+        per_row = len(self._blocks) // self.rows
+        step = -(-per_row // max(1, min(parts, per_row)))
+        out = []
+        for b0 in range(0, per_row, step):
+            blocks = [self._blocks[r * per_row + b] for r in range(self.rows) for b in range(b0, min(b0 + step, per_row))]
+            c0, chunks = blocks[0][1], sum(b[2] for b in blocks) // self.rows
+            part = copy.copy(self)
+            part.chunks, part.side, part._values = chunks, SIDE_BYTES * chunks, None
+            part.row_bytes = -(-(SIDE_BYTES * chunks + chunks * self.size) // 4) * 4
+            part._scratch = self._scratch[:, :, c0 : c0 + chunks]
+            part._blocks = [(r, bc0 - c0, c, start, real) for r, bc0, c, start, real in blocks]
+            out.append(part)
+        return out
 
     def decode_into(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decode ``packed`` (all rows) into the flat ``out`` (``numel`` values, any float dtype); returns ``out``."""
