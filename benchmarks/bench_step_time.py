@@ -14,9 +14,11 @@ Two gloo ranks (one torch thread each) train the ~22M-parameter MLP of
 * the timed window is a whole number of sync periods (at least two) and holds
   everything the algorithm does in those steps: every launch and every wait of
   its syncs. The window's time is the slower rank's;
-* afterwards the contender's pending work is drained (reported as ``drain_ms``,
-  outside the window: the window already holds one sync's worth of waiting, as
-  the one in flight when it started finished inside it) and it is closed;
+* afterwards ``model.flush()`` (what ``eval()`` or ``state_dict()`` waits for)
+  is timed as ``drain_ms``, outside the window, and the contender is closed.
+  Streamed syncs stay on their schedule through ``flush()`` (their drain is 0):
+  the window starts with one sync in flight and ends with one, so it holds as
+  many landings as launches;
 * rounds (at least 3) alternate the order of the contenders; a contender's
   figure is the median over rounds of its time divided by torch DDP's (and by
   compute's) in the same round: ratios measured side by side, because absolute
