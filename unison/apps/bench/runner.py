@@ -5,12 +5,11 @@ take the others down): ``python -m unison.apps.bench.worker`` per rank, inside i
 node's namespace (``ip netns exec``) when the network is emulated, on plain
 loopback otherwise. A contender whose ranks fail or overrun their time limit
 is recorded as failed with the first failing rank's error, and the bench goes
-on. Rank processes die with the bench (PR_SET_PDEATHSIG), even when it is killed.
+on. Rank processes die with the bench (each asks for PR_SET_PDEATHSIG as it starts), even when it is killed.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -79,14 +78,6 @@ class BenchConfig:
         }
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the bench process dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|terminate called|RuntimeError)\b.*")
 
@@ -139,6 +130,7 @@ def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": path,
+            "UNISON_BENCH_PARENT": str(os.getpid()),  # the worker asks for SIGKILL when this process dies
         }
         if net:
             env["GLOO_SOCKET_IFNAME"] = net.ifname(node)
@@ -149,7 +141,7 @@ def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network
         f = open(log, "w")
         files.append(f)
         procs.append(subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=_die_with_parent))
+                                      start_new_session=True))  # no preexec_fn: unsafe in a process with threads
         logs.append(log)
     return RankGroup(procs, logs, files)
 

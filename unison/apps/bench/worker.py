@@ -23,9 +23,11 @@ emulated links are known for every contender alike.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -168,8 +170,26 @@ def train(cfg: dict, topo) -> Optional[dict]:
     }
 
 
+def die_with_parent() -> None:
+    """Get SIGKILL when the bench process dies (Linux PR_SET_PDEATHSIG), even when it is killed outright.
+
+    Done here rather than in a ``preexec_fn``, which can deadlock between fork and
+    exec in a parent that runs threads (the bench's progress display does); if the
+    bench is already gone, exit at once."""
+    parent = os.environ.get("UNISON_BENCH_PARENT")
+    if parent is None:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()
     with open(argv[0]) as f:
         cfg = json.load(f)
     topo = unison.init(timeout=cfg["pg_timeout_s"])
