@@ -176,10 +176,18 @@ def test_network_up_and_down():
 
 
 def start_bench(tmp_path, *extra):
-    """A long bench of one contender, in its own process, from the tests' folder (for --model)."""
+    """A long bench of one contender, in its own process, from the tests' folder (for --model).
+
+    It starts as from a terminal, with Ctrl-C's default meaning: an ignored SIGINT is
+    inherited across exec, and an earlier test's library may have left it ignored in
+    this process (Lightning ignores it while it destroys its process group)."""
     argv = [sys.executable, "-m", "unison", "bench", "--model", "bench_factory:tiny", "--contenders", "ddp",
             "--steps", "1000000", "--time-budget", "600", "--bandwidth", "10mbit", "--out", str(tmp_path), *extra]
-    return subprocess.Popen(argv, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def processes(pids: list[str]) -> str:
