@@ -125,8 +125,7 @@ class DataParallel(nn.Module):
         ignored = sorted(k for k, v in ddp_kwargs.items() if v is not None)
         if ignored:
             warnings.warn(f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here", stacklevel=2)
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        check_bucket_cap(bucket_cap_mb)
         if nonfinite not in nonfinite_.MODES:
             raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
         if debug is None:
@@ -369,6 +368,16 @@ class DataParallel(nn.Module):
         """
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
+    def set_bucket_size(self, bucket_cap_mb: float) -> None:
+        """Re-plan the gradient buckets at ``bucket_cap_mb`` MiB each, now and for later algorithms.
+
+        No collective, but every rank must call it with the same value between
+        the same two steps (autotuners pick it from scores agreed by all ranks).
+        """
+        self.bucket_cap_mb = self._replica.bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
+        if self._reducer is not None:
+            self._reducer.set_bucket_cap(int(self.bucket_cap_mb * MB))
+
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped on every rank because a gradient was not finite (``nonfinite="skip"``)."""
@@ -570,6 +579,13 @@ class DataParallel(nn.Module):
             "bytes_last_step": r.bytes_last if r else 0,
             "bytes_per_step": total / steps if steps else 0.0,
         }
+
+
+def check_bucket_cap(bucket_cap_mb: Any) -> float:
+    """``bucket_cap_mb`` if it is a positive number of MiB; ValueError otherwise."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    return bucket_cap_mb
 
 
 def _describe_entry(entry: tuple) -> str:
