@@ -352,7 +352,7 @@ def check_daso() -> dict:
     for name, value in (("skip_reduction_factor", 1), ("max_global_skips", 0)):
         try:
             d = ht.optim.DASO(torch.optim.SGD(MLP().parameters(), lr=0.1), total_epochs=2, **{name: value})
-            out[name] = ("works", d._algorithm.options[name])
+            out[name] = ("works", d.algorithm.options[name])
         except NotImplementedError as exc:
             out[name] = ("not implemented", str(exc))
 

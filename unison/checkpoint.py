@@ -25,7 +25,7 @@ import sys
 import uuid
 import warnings
 import zlib
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,7 @@ def save(
     try:
         if isinstance(model, DataParallel):
             model.flush()  # pending updates (nonblocking, diloco's overlap) land before the state is read
-        mine: Any = _rank_entry(model, optimizers, algorithm, with_weights=per_rank)
+        mine: Any = _rank_entry(model, optimizers, with_weights=per_rank)
     except Exception as exc:  # tell rank 0 instead of leaving it waiting in the gather
         mine = _Failure(f"rank {rank}: {type(exc).__name__}: {exc}")
     entries = [mine] if world == 1 else _gather(mine, rank, world)
@@ -190,14 +190,13 @@ def load(
     if len(checkpoint["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint {path} holds {len(checkpoint['optimizers'])} optimizer state(s) but {len(optimizers)} optimizer(s) were given")
 
-    same_world = checkpoint["world_size"] == world
+    entry, same_world = entry_for_rank(checkpoint["ranks"], rank, world)
     if not same_world:
         warnings.warn(
             f"checkpoint {path} was saved by {checkpoint['world_size']} ranks and is loaded by {world}: every rank takes rank 0's "
             "state and reseeds its RNGs, so training resumes but not along the saved trajectory",
             stacklevel=2,
         )
-    entry = checkpoint["ranks"][rank if same_world else 0]
     weights = entry.get("model", checkpoint["model"])
     algorithm_state = entry["algorithm"] if restore_algorithm else None
     if isinstance(model, DataParallel) and algorithm_state:
@@ -209,7 +208,7 @@ def load(
     if sampler is not None and checkpoint["sampler"] is not None:
         sampler.load_state_dict(checkpoint["sampler"])
     if same_world:
-        _set_rng(entry["rng"])
+        set_rng_states(entry["rng"])
     else:
         _reseed(checkpoint["ranks"][0]["rng"], rank)
     return {key: checkpoint[key] for key in ("epoch", "step", "extra", "world_size", "algorithm")}
@@ -232,14 +231,46 @@ def _optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
     return optimizers
 
 
-def _rank_entry(model: nn.Module, optimizers, algorithm, with_weights: bool) -> dict[str, Any]:
+def entry_for_rank(entries: Sequence[dict[str, Any]], rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
+    """This rank's entry among a checkpoint's per-rank ``entries``, and whether the world size is the saved one.
+
+    When another number of ranks saved them, every rank takes rank 0's entry:
+    the run resumes, but not along the saved trajectory. ``unison.load`` and
+    the Lightning strategy both decide it here.
+
+    Args:
+        entries: the entries the saving ranks wrote, in rank order.
+        rank: this process's rank.
+        world_size: the number of ranks loading.
+
+    Example::
+
+        >>> entry, same_world = entry_for_rank(checkpoint["ranks"], rank, world_size)
+    """
+    if len(entries) == world_size:
+        return entries[rank], True
+    return entries[0], False
+
+
+def _rank_entry(model: nn.Module, optimizers: list[torch.optim.Optimizer], with_weights: bool) -> dict[str, Any]:
     """This rank's part of the checkpoint (tensors moved to the CPU)."""
     module = model.module if isinstance(model, DataParallel) else model
-    entry: dict[str, Any] = {"rng": _get_rng(), "algorithm": None if algorithm is None else model._events.state_dict()}
+    entry: dict[str, Any] = {"rng": rng_states(), "algorithm": _algorithm_state(model)}
     if with_weights or _rank_and_size(None)[0] == 0:
         entry["model"] = module.state_dict()
         entry["optimizers"] = [opt.state_dict() for opt in optimizers]
-    return _to_cpu(entry)
+    return to_cpu(entry)
+
+
+def _algorithm_state(model: nn.Module) -> Optional[dict[str, Any]]:
+    """The running algorithm's state dict ({} when it keeps none); None for a plain module.
+
+    A DistributedOptimizer's algorithm state travels in its own ``state_dict()``.
+    """
+    if not isinstance(model, DataParallel):
+        return None
+    state = model.algorithm_state
+    return {} if state is None else state.state_dict()
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
@@ -271,16 +302,24 @@ def _all_gather(obj: Any, world: int) -> list:
     return out
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (in dicts, lists, tuples) detached and on the CPU, for a file.
+
+    Module state dicts keep their ``_metadata`` (the versions ``load_state_dict`` reads).
+
+    Example::
+
+        >>> torch.save(to_cpu(model.state_dict()), path)
+    """
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        out = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
             out._metadata = obj._metadata
         return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(to_cpu(v) for v in obj)
     return obj
 
 
@@ -327,7 +366,16 @@ def _read(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def _get_rng() -> dict[str, Any]:
+def rng_states() -> dict[str, Any]:
+    """This process's torch, Python and (when imported) NumPy and CUDA RNG states, as plain data.
+
+    What a checkpoint keeps per rank so a resumed run draws the same numbers.
+
+    Example::
+
+        >>> states = rng_states()
+        >>> set_rng_states(states)    # the next draws repeat
+    """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -338,7 +386,13 @@ def _get_rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: dict[str, Any]) -> None:
+def set_rng_states(state: dict[str, Any]) -> None:
+    """Restore the RNG states ``rng_states()`` returned (also after a round trip through a file).
+
+    Example::
+
+        >>> set_rng_states(torch.load(path)["rng"])
+    """
     torch.set_rng_state(state["torch"])
     random.setstate(_tuples(state["python"]))
     np = sys.modules.get("numpy")

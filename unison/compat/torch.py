@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import unison
-
-from . import _broadcast_, _ensure_init
+from unison.engine.comm import default_broadcast
 
 __all__ = ["DistributedDataParallelCPU"]
 
@@ -44,10 +43,10 @@ class DistributedDataParallelCPU(unison.DataParallel):
     """
 
     def __init__(self, module: nn.Module) -> None:
-        _ensure_init()
+        unison.init()  # the seed's scripts started no process group of their own
         super().__init__(module, algorithm="allreduce", broadcast_buffers=False, delay_reduce=True)
 
     def sync_parameters(self) -> None:
         """Give every rank rank 0's parameters (a collective: every rank calls it)."""
         if dist.is_available() and dist.is_initialized():
-            _broadcast_([p.detach() for p in self.module.parameters()])
+            default_broadcast(list(self.module.parameters()), None)

@@ -36,12 +36,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import unison
 from unison import algorithms
-from unison.checkpoint import _get_rng as _rng_state, _set_rng as _set_rng_state, _to_cpu  # unison.save's RNG and CPU helpers
+from unison.checkpoint import entry_for_rank, rng_states, set_rng_states, to_cpu
+from unison.engine.averaging import average_
+from unison.engine.comm import default_broadcast
+from unison.parallel import ALGORITHM_KEY
 
 __all__ = ["UnisonStrategy"]
 
-# The key under which ``DataParallel.state_dict()`` keeps the algorithm's state (documented there).
-_ALGORITHM_KEY = "_unison_algorithm"
 # The key of unison's part of a Lightning checkpoint, and its format version.
 CHECKPOINT_KEY = "unison"
 _CHECKPOINT_VERSION = 1
@@ -360,7 +361,7 @@ class UnisonStrategy(DDPStrategy):
         model.flush()
         state = self.lightning_module.state_dict()
         if self._drifting():
-            state = _averaged(state, self.lightning_module, self.world_size)
+            state = _averaged(state, self.lightning_module)
         return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -368,7 +369,7 @@ class UnisonStrategy(DDPStrategy):
         replicas each rank's weights and optimizer states) and let rank 0 write the file."""
         model = self.model
         if isinstance(model, unison.DataParallel) and "optimizer_states" in checkpoint:  # not weights-only
-            entry = _to_cpu(self._rank_entry(model))
+            entry = to_cpu(self._rank_entry(model))
             if self.world_size > 1:
                 gathered: Optional[list] = [None] * self.world_size if self.global_rank == 0 else None
                 dist.gather_object(entry, gathered, dst=0)
@@ -386,7 +387,7 @@ class UnisonStrategy(DDPStrategy):
 
     def _rank_entry(self, model: "unison.DataParallel") -> dict[str, Any]:
         state = model.state_dict()  # the module's weights plus the algorithm's state
-        entry: dict[str, Any] = {"algorithm": state.pop(_ALGORITHM_KEY, None), "rng": _rng_state()}
+        entry: dict[str, Any] = {"algorithm": state.pop(ALGORITHM_KEY, None), "rng": rng_states()}
         if self._drifting():
             entry["model"] = state
             entry["optimizers"] = [opt.state_dict() for opt in self.optimizers]
@@ -399,9 +400,10 @@ class UnisonStrategy(DDPStrategy):
             return None
         if part.get("version") != _CHECKPOINT_VERSION:
             raise ValueError(f"this checkpoint's unison part has version {part.get('version')!r}; this unison reads {_CHECKPOINT_VERSION}")
-        if part["world_size"] != self.world_size:
-            return {**part["ranks"][0], "model": None, "optimizers": None, "rng": None, "resized": True}
-        return part["ranks"][self.global_rank]
+        entry, same_world = entry_for_rank(part["ranks"], self.global_rank, self.world_size)
+        if same_world:
+            return entry
+        return {**entry, "model": None, "optimizers": None, "rng": None, "resized": True}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Restore each rank's own replica, the algorithm that was running and its state."""
@@ -423,10 +425,10 @@ class UnisonStrategy(DDPStrategy):
             )
         state = dict(entry.get("model") or checkpoint["state_dict"])
         if entry.get("algorithm") is not None:
-            state[_ALGORITHM_KEY] = entry["algorithm"]
+            state[ALGORITHM_KEY] = entry["algorithm"]
         model.load_state_dict(state, strict=strict)
         if entry.get("rng") is not None:  # Lightning isolates the sanity check's draws: the next are training's
-            _set_rng_state(entry["rng"])
+            set_rng_states(entry["rng"])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Each rank takes its own optimizer states when the replicas drift, else the shared ones."""
@@ -524,38 +526,23 @@ def _broadcast_module(module: nn.Module) -> None:
     """Set every rank's parameters and buffers to rank 0's."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0)
+    default_broadcast(list(module.parameters()) + list(module.buffers()), None)
 
 
-def _averaged(state: dict[str, Any], module: nn.Module, world: int) -> dict[str, Any]:
+def _averaged(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     """A copy of ``state`` with the floating-point parameters averaged over the ranks and
     everything else rank 0's (what ``model.average()`` makes of the replicas)."""
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    out = type(state)(state)
+    out = type(state)((name, v.detach().clone() if isinstance(v, Tensor) else v) for name, v in state.items())
     if hasattr(state, "_metadata"):
         out._metadata = state._metadata  # type: ignore[attr-defined]
-    mean: dict[tuple, list[str]] = {}
-    first: dict[tuple, list[str]] = {}
-    for name, value in state.items():
-        if isinstance(value, Tensor):
-            key = (value.dtype, value.device)
-            (mean if name in params and value.is_floating_point() else first).setdefault(key, []).append(name)
-    with torch.no_grad():
-        for groups, reduce in ((mean, True), (first, False)):
-            for names in groups.values():
-                flat = torch.cat([state[n].detach().reshape(-1) for n in names])
-                if reduce:
-                    dist.all_reduce(flat)
-                    flat.div_(world)
-                else:
-                    dist.broadcast(flat, src=0)
-                offset = 0
-                for n in names:
-                    numel = state[n].numel()
-                    out[n] = flat[offset : offset + numel].view_as(state[n]).clone()
-                    offset += numel
+    tensors = [(name, v) for name, v in out.items() if isinstance(v, Tensor)]
+    mean = [v for name, v in tensors if name in params and v.is_floating_point()]
+    first = [v for name, v in tensors if not (name in params and v.is_floating_point())]
+    if mean:
+        average_(mean, None)
+    if first:
+        default_broadcast(first, None)
     return out
 
 

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 import unison
+from unison.engine.averaging import average_
+from unison.engine.comm import default_broadcast
 
-from ... import _average_, _broadcast_, _ensure_init
 from ..bagua_define import UNISON_ALGORITHM, DistributedAlgorithm
 
 __all__ = [
@@ -180,7 +181,7 @@ class ModelSwitchWrapper(DistributedModule):
             raise TypeError(f"hierarchical_reduce must be None, True or False, got {hierarchical_reduce!r}")
         if isinstance(message_size, bool) or not isinstance(message_size, int) or message_size < 1:
             raise ValueError(f"message_size must be a positive number of bytes, got {message_size!r}")
-        topo = _ensure_init()
+        topo = unison.init()
         if isinstance(intra_comm_root_rank, bool) or not isinstance(intra_comm_root_rank, int) or not 0 <= intra_comm_root_rank < topo.local_world_size:
             raise ValueError(f"intra_comm_root_rank must be a local rank, 0 to {topo.local_world_size - 1}, got {intra_comm_root_rank!r}")
         _check_kwargs(kwargs)
@@ -224,7 +225,8 @@ class ModelSwitchWrapper(DistributedModule):
                 delay_reduce=self.delay_reduce,
             )
         else:
-            _average_(list(self.module.buffers()))  # Bagua averages buffers between stages; switch_to averages parameters
+            # Bagua averages buffers between stages; switch_to averages the parameters.
+            _average_state(list(self.module.buffers()))
             self.bagua_module.switch_to(algorithm)
         self.stage += 1
         self.distributed_algorithm = member
@@ -328,29 +330,16 @@ class ModelSwitchWrapper(DistributedModule):
         return self._tuner
 
     def _apply_setting(self, message_size: int, hierarchical: Optional[bool]) -> None:
-        """Run the current algorithm with another bucket size and hierarchical setting."""
+        """Run the current algorithm with another bucket size and hierarchical setting (a collective
+        when the hierarchical setting changes: that needs a new algorithm)."""
         dp = self.bagua_module
-        options = dict(dp.algorithm.options)
-        if hierarchical is not None:
-            options["hierarchical"] = hierarchical
-            self.hierarchical_reduce = hierarchical
-        algorithm = unison.algorithms.create(dp.algorithm.name, **options)
         self.message_size = message_size
-        close = getattr(dp, "close", None)
-        if close is not None:  # rebuild with the new bucket size
-            dp.flush()
-            close()
-            self.bagua_module = unison.DataParallel(
-                self.module,
-                optimizer=self.optimizers,
-                algorithm=algorithm,
-                broadcast_buffers=self.broadcast_buffers,
-                bucket_cap_mb=message_size / MB,
-                delay_reduce=self.delay_reduce,
-            )
-        else:  # the buckets are planned again when the algorithm starts
-            dp.bucket_cap_mb = message_size / MB
-            dp.switch_to(algorithm)
+        dp.set_bucket_size(message_size / MB)
+        if hierarchical is not None and hierarchical != dp.algorithm.options.get("hierarchical"):
+            options = {**dp.algorithm.options, "hierarchical": hierarchical}
+            dp.switch_to(unison.algorithms.create(dp.algorithm.name, **options))
+        if hierarchical is not None:
+            self.hierarchical_reduce = hierarchical
 
 
 class _AutoTuner:
@@ -368,8 +357,9 @@ class _AutoTuner:
         algorithm = wrapper.bagua_module.algorithm
         hierarchical = algorithm.options.get("hierarchical")
         self.can_flip = isinstance(hierarchical, bool)
-        reduces_gradients = getattr(algorithm, "reduces_gradients", True)
-        sizes = sorted({wrapper.message_size, *AUTOTUNE_MESSAGE_SIZES}) if reduces_gradients else [wrapper.message_size]
+        sizes = [wrapper.message_size]
+        if algorithm.reduces_gradients:  # model averaging has no gradient buckets to size
+            sizes = sorted({wrapper.message_size, *AUTOTUNE_MESSAGE_SIZES})
         self.current = (wrapper.message_size, hierarchical)
         self.queue = [(s, hierarchical) for s in sizes if s != wrapper.message_size]
         self.flipped = not self.can_flip
@@ -432,9 +422,10 @@ def broadcast_parameters(module: nn.Module, broadcast_buffers: bool = True) -> N
 
         >>> broadcast_parameters(net)      # before training, on every rank
     """
-    _ensure_init()
-    tensors = list(module.state_dict().values()) if broadcast_buffers else [p.detach() for p in module.parameters()]
-    _broadcast_(tensors)
+    unison.init()
+    if dist.is_available() and dist.is_initialized():
+        tensors = list(module.state_dict().values()) if broadcast_buffers else list(module.parameters())
+        default_broadcast(tensors, None)
 
 
 def allreduce_parameters(module: nn.Module) -> None:
@@ -447,8 +438,24 @@ def allreduce_parameters(module: nn.Module) -> None:
 
         >>> allreduce_parameters(net)      # replicas identical again
     """
-    _ensure_init()
-    _average_(list(module.state_dict().values()))
+    unison.init()
+    _average_state(list(module.state_dict().values()))
+
+
+def _average_state(tensors: List[torch.Tensor]) -> None:
+    """Average ``tensors`` in place over the world: floating-point ones by the engine's coalesced
+    ``average_``; integer ones (BatchNorm's batch counts), which it does not take, as the floor of the mean."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    integers = [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
+    if floats:
+        average_(floats, None)
+    world = dist.get_world_size()
+    with torch.no_grad():
+        for t in integers:
+            dist.all_reduce(t)
+            t.copy_(torch.div(t, world, rounding_mode="floor"))
 
 
 def bagua_init(

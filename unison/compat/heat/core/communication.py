@@ -24,12 +24,12 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ... import _ensure_init
+import unison
 
 _UNSET = object()
 
 
-def _is_mpi_comm(obj: Any) -> bool:
+def is_mpi_comm(obj: Any) -> bool:
     """Whether ``obj`` is an mpi4py communicator (without importing mpi4py when it is absent)."""
     module = type(obj).__module__ or ""
     return module.startswith("mpi4py") and hasattr(obj, "Get_rank") and hasattr(obj, "Get_size")
@@ -58,7 +58,7 @@ class MPICommunication:
     """
 
     def __init__(self, handle: Any = None) -> None:
-        if handle is not None and not isinstance(handle, dist.ProcessGroup) and not _is_mpi_comm(handle):
+        if handle is not None and not isinstance(handle, dist.ProcessGroup) and not is_mpi_comm(handle):
             raise TypeError(
                 "a HeAT communicator is None (the world), a torch.distributed ProcessGroup or an mpi4py "
                 f"communicator, not {type(handle).__name__}"
@@ -70,7 +70,7 @@ class MPICommunication:
     def group(self) -> Optional[dist.ProcessGroup]:
         """The torch process group (None: the world). Resolved on first use."""
         if self._group is _UNSET:
-            _ensure_init()
+            unison.init()  # HeAT's MPI is up as soon as it is imported: so is the process group here
             if self.handle is None:
                 self._group = None
             elif isinstance(self.handle, dist.ProcessGroup):
@@ -112,7 +112,7 @@ class MPICommunication:
         if name.startswith("_"):
             raise AttributeError(name)
         handle = self.__dict__.get("handle")
-        if handle is not None and _is_mpi_comm(handle):
+        if handle is not None and is_mpi_comm(handle):
             return getattr(handle, name)
         raise AttributeError(
             f"MPICommunication has no {name!r}: unison talks over torch.distributed, not MPI. Use "
@@ -131,7 +131,7 @@ def as_communicator(comm: Any) -> MPICommunication:
         return MPI_WORLD
     if isinstance(comm, MPICommunication):
         return comm
-    if isinstance(comm, dist.ProcessGroup) or _is_mpi_comm(comm):
+    if isinstance(comm, dist.ProcessGroup) or is_mpi_comm(comm):
         return MPICommunication(comm)
     raise TypeError(
         "comm must be None, ht.MPI_WORLD, an MPICommunication, a torch.distributed ProcessGroup or an mpi4py "

@@ -13,7 +13,6 @@ from torch import nn
 
 import unison
 
-from ... import _ensure_init
 from ..core.communication import as_communicator
 from ..optim.dp_optimizer import DASO, DataParallelOptimizer
 
@@ -80,7 +79,7 @@ class DataParallel(unison.DataParallel):
             raise TypeError(f"blocking_parameter_updates must be a bool, not {type(blocking_parameter_updates).__name__}")
         comm = as_communicator(comm)
         dp_optimizers = _as_dp_optimizers(optimizer)
-        _ensure_init()
+        unison.init()
         super().__init__(
             module,
             optimizer=[o.torch_optimizer for o in dp_optimizers],
@@ -140,7 +139,7 @@ class DataParallelMultiGPU(unison.DataParallel):
 
     def __init__(self, module: nn.Module, optimizer: Union[DASO, torch.optim.Optimizer], comm: Any = None) -> None:
         comm = as_communicator(comm)
-        topo = _ensure_init()
+        topo = unison.init()
         if not comm.is_world:
             raise ValueError("DataParallelMultiGPU's comm must hold every process (the world): DASO runs on the whole world")
         if isinstance(optimizer, DASO):
@@ -148,7 +147,7 @@ class DataParallelMultiGPU(unison.DataParallel):
                 raise ValueError("DASO's comm must hold every process (the world): unison's DASO runs on the whole world")
             if optimizer.module is not None:
                 raise ValueError("this DASO already drives a model; build one DASO per model")
-            super().__init__(module, optimizer=optimizer.local_optimizer, algorithm=optimizer._algorithm)
+            super().__init__(module, optimizer=optimizer.local_optimizer, algorithm=optimizer.algorithm)
             self.comm = comm
             optimizer.set_model(self)
         elif isinstance(optimizer, torch.optim.Optimizer) or (isinstance(optimizer, (list, tuple)) and optimizer):

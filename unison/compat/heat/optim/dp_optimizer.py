@@ -17,7 +17,7 @@ import torch
 
 import unison
 
-from ..core.communication import MPICommunication, _is_mpi_comm, as_communicator
+from ..core.communication import MPICommunication, as_communicator, is_mpi_comm
 
 __all__ = ["DASO", "DataParallelOptimizer"]
 
@@ -180,7 +180,8 @@ class DASO:
     ) -> None:
         if not isinstance(local_optimizer, torch.optim.Optimizer):
             raise TypeError(f"Local optimizer must be a torch optimizer object, currently {type(local_optimizer)}")
-        if comm is not None and not isinstance(comm, (MPICommunication, torch.distributed.ProcessGroup)) and not _is_mpi_comm(comm):
+        known = (MPICommunication, torch.distributed.ProcessGroup)
+        if comm is not None and not isinstance(comm, known) and not is_mpi_comm(comm):
             raise TypeError(f"Comm object must be ht.MPI_WORLD, a torch ProcessGroup or an mpi4py communicator, currently {type(comm)}")
         _check_int("total_epochs", total_epochs, 0, strict=True)
         _check_int("warmup_epochs", warmup_epochs, 0)
@@ -231,7 +232,7 @@ class DASO:
             "skip_reduction_factor": skip_reduction_factor,
             "local_skip_factor": local_skip_factor,
         }
-        self._algorithm = self._new_algorithm()
+        self.algorithm = self._new_algorithm()
 
     def _new_algorithm(self) -> unison.algorithms.Algorithm:
         """A fresh "daso" algorithm with this object's options; a value HeAT takes and unison refuses is named."""
@@ -382,9 +383,9 @@ class DASO:
         A collective when a model is bound (every rank calls it): the replicas
         are averaged as DASO starts over.
         """
-        self._algorithm = self._new_algorithm()
+        self.algorithm = self._new_algorithm()
         if self.module is not None:
-            self.module.switch_to(self._algorithm)
+            self.module.switch_to(self.algorithm)
             if self.scaler is not None:
                 _add_scaler(self.module, self.scaler)
         self.current_batch = 0
