@@ -233,7 +233,7 @@ def daso_native(scheduler=False, scaler=False, **options):
     model = unison.DataParallel(net, opt, algorithm=algo)
     sc = torch.amp.GradScaler("cpu", init_scale=8.0) if scaler else None
     if sc is not None:
-        (getattr(model, "add_scaler", None) or model.algorithm.add_scaler)(sc)
+        model.add_scaler(sc)
     for e in range(EPOCHS):
         for b in range(BATCHES):
             x, y = batch(e * BATCHES + b, rank)

@@ -8,7 +8,6 @@ algorithm, which ``ht.nn.DataParallelMultiGPU(module, daso)`` runs. See
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import warnings
 from typing import Any, Optional, Union
@@ -16,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 import unison
+from unison.algorithms.daso_schedule import Schedule
 
 from ..core.communication import MPICommunication, as_communicator, is_mpi_comm
 
@@ -75,28 +75,6 @@ class DataParallelOptimizer:
 _DOWNCAST_TYPES = (torch.bfloat16, torch.half, torch.float)
 
 
-def _daso_state(dp):
-    """The running DASO schedule of ``dp`` (``epoch``, ``global_skip``, ``local_skip``,
-    ``batches_to_wait``): ``dp.algorithm_state`` where DataParallel has it, else the algorithm."""
-    return getattr(dp, "algorithm_state", None) or dp.algorithm
-
-
-def _end_epoch(dp, loss, loss_globally_averaged: bool) -> None:
-    """``dp.end_epoch(loss)``, telling it when the loss is already averaged over the ranks."""
-    if not loss_globally_averaged:
-        dp.end_epoch(loss)
-    elif "loss_globally_averaged" in inspect.signature(dp.end_epoch).parameters:
-        dp.end_epoch(loss, loss_globally_averaged=True)
-    else:
-        _daso_state(dp).epoch_loss_logic(loss, loss_globally_averaged=True)
-
-
-def _add_scaler(dp, scaler) -> None:
-    """Tell ``dp``'s DASO about a GradScaler (``dp.add_scaler`` where DataParallel has it)."""
-    adder = getattr(dp, "add_scaler", None) or dp.algorithm.add_scaler
-    adder(scaler)
-
-
 def _check_int(name: str, value: Any, minimum: int, strict: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, currently {type(value)}")
@@ -141,7 +119,9 @@ class DASO:
         verbose: print the schedule on rank 0 at each epoch's end (``print0``).
 
     Attributes ``epoch``, ``global_skip``, ``local_skip``, ``batches_to_wait``
-    read the running schedule; ``current_batch`` counts this epoch's batches.
+    and ``current_batch`` (this epoch's batches) read the running schedule,
+    ``model.algorithm_state.schedule``; ``algorithm`` is the unison "daso"
+    algorithm the model runs.
     ``last_batch`` is not needed: the epoch ends with ``epoch_loss_logic``,
     which also makes the final blocking sync HeAT makes at the last batch.
     When set, it is checked against the batches stepped in the epoch (a
@@ -219,7 +199,6 @@ class DASO:
         self.scaler = None
         self.module: Optional[unison.DataParallel] = None
         self.last_batch: Optional[int] = None
-        self.current_batch = 0
         self._options = {
             "total_epochs": total_epochs,
             "warmup_epochs": warmup_epochs,
@@ -244,32 +223,39 @@ class DASO:
             ) from exc
 
     # ---- the running schedule ------------------------------------------
-    def _state(self):
-        return None if self.module is None else _daso_state(self.module)
+    def _schedule(self) -> Optional[Schedule]:
+        """The schedule of the model DASO drives, ``model.algorithm_state.schedule`` (None before one)."""
+        return None if self.module is None else self.module.algorithm_state.schedule
 
     @property
     def epoch(self) -> int:
         """Epochs ended so far (by ``epoch_loss_logic``)."""
-        state = self._state()
-        return 0 if state is None else int(state.epoch)
+        schedule = self._schedule()
+        return 0 if schedule is None else schedule.epoch
+
+    @property
+    def current_batch(self) -> int:
+        """Batches ended in this epoch (optimizer steps, and steps a GradScaler skipped)."""
+        schedule = self._schedule()
+        return 0 if schedule is None else schedule.batch
 
     @property
     def global_skip(self) -> int:
         """Batches between two global syncs this epoch (0: blocking sync after every batch)."""
-        state = self._state()
-        return 0 if state is None else int(state.global_skip)
+        schedule = self._schedule()
+        return 0 if schedule is None else schedule.global_skip
 
     @property
     def local_skip(self) -> int:
         """Batches between two node-local gradient averages this epoch (0 or 1: every batch)."""
-        state = self._state()
-        return 0 if state is None else int(state.local_skip)
+        schedule = self._schedule()
+        return 0 if schedule is None else schedule.local_skip
 
     @property
     def batches_to_wait(self) -> int:
         """Batches between sending a global sync and merging it (0 in blocking epochs)."""
-        state = self._state()
-        return 0 if state is None else int(state.batches_to_wait)
+        schedule = self._schedule()
+        return 0 if schedule is None else schedule.batches_to_wait
 
     @property
     def params_ref(self) -> list:
@@ -300,9 +286,9 @@ class DASO:
             raise ValueError(f"this model runs {model.algorithm.name!r}, not DASO; build it with ht.nn.DataParallelMultiGPU(module, daso)")
         self.module = model
         if self.scaler is not None:
-            _add_scaler(model, self.scaler)
+            model.add_scaler(self.scaler)
 
-    def add_scaler(self, scaler) -> None:
+    def add_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Use a ``torch.amp.GradScaler``: ``step()`` then runs ``scaler.step`` and ``scaler.update``.
 
         A step the scaler skips (inf/NaN gradients) still ends the batch on
@@ -314,7 +300,7 @@ class DASO:
         self.scaler = scaler
         self.amp = True
         if self.module is not None:
-            _add_scaler(self.module, scaler)
+            self.module.add_scaler(scaler)
 
     def print0(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 of ``comm`` when ``verbose`` is set."""
@@ -342,7 +328,6 @@ class DASO:
                 self.local_optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.current_batch += 1
 
     def zero_grad(self) -> None:
         """Zero the local optimizer's gradients (HeAT zeroes them rather than setting them to None)."""
@@ -361,8 +346,7 @@ class DASO:
         """
         model = self._require_model("epoch_loss_logic()")
         self._check_last_batch()
-        _end_epoch(model, loss, loss_globally_averaged)
-        self.current_batch = 0
+        model.end_epoch(loss, averaged=loss_globally_averaged)
         gs, ls, btw = self.global_skip, self.local_skip, self.batches_to_wait
         phase = "cycling" if gs else ("warm-up" if self.epoch < self.warmup_epochs else "cool-down")
         self.print0(f"DASO after epoch {self.epoch} ({phase} next): global skips {gs}, local skips {ls}, batches to wait {btw}")
@@ -387,8 +371,7 @@ class DASO:
         if self.module is not None:
             self.module.switch_to(self.algorithm)
             if self.scaler is not None:
-                _add_scaler(self.module, self.scaler)
-        self.current_batch = 0
+                self.module.add_scaler(self.scaler)
         self.zero_grad()
 
 
