@@ -14,6 +14,7 @@ import torch
 
 from unison.apps import cli
 from unison.apps.bench import contenders, netem, report, runner, workloads
+from unison.apps.bench.worker import Judge, Stop, WorkerConfig, WorkerResult
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None,
@@ -142,6 +143,52 @@ def test_time_to_target_and_speedups():
     assert losses[0]["time_to_target_s"] == 1.0 and losses[1]["time_to_target_s"] == 0.5
     losses[1] = {"spec": "fp16", "label": "fp16", "status": "failed", "error": "boom"}
     assert report.summarize(losses, workloads.SETTINGS["charlm"], None, target_from="fp16")["target"]["value"] is None
+
+
+# ---- the worker's config, result and stop rule ---------------------------------------
+def worker_config(tmp_path, **changes) -> WorkerConfig:
+    spec = contenders.parse("powersgd:rank=2")
+    run = {**runner.BenchConfig().resolved(), "target": 0.9, "higher_is_better": True, **changes}
+    return runner.worker_config(spec, runner.BenchConfig(), run, str(tmp_path / "00-powersgd"), measure_link=False)
+
+
+def test_worker_config_round_trips_and_refuses_missing_or_unknown_keys(tmp_path):
+    cfg = worker_config(tmp_path)
+    cfg.write(str(tmp_path / "c.json"))
+    assert WorkerConfig.read(str(tmp_path / "c.json")) == cfg
+    assert (cfg.spec, cfg.steps, cfg.target, cfg.reference) == ("powersgd:rank=2", 150, 0.9, False)
+    data = json.loads((tmp_path / "c.json").read_text())
+    with pytest.raises(ValueError, match="missing key.*steps"):
+        WorkerConfig.from_dict({k: v for k, v in data.items() if k != "steps"})
+    with pytest.raises(ValueError, match="unknown key.*stepz"):
+        WorkerConfig.from_dict({**data, "stepz": 3})
+    with pytest.raises(ValueError, match="eval_every must be at least 1"):
+        WorkerConfig.from_dict({**data, "eval_every": 0})
+
+
+def test_stop_reasons_keep_their_json_words_and_codes():
+    assert [(int(s), s.text) for s in Stop] == [(0, "going on"), (1, "steps"), (2, "time budget"), (3, "time cap"), (4, "target")]
+    result = WorkerResult("ddp", 4, Stop.TIME_CAP, 1.0, 250.0, 8.0, 10.0, None, 0.5, [[0.0, 0, 0.1]], 7, {"autotune": 1})
+    data = result.to_json()
+    assert data["stopped"] == "time cap" and data["autotune"] == 1 and "extra" not in data
+    assert list(data)[:3] == ["spec", "steps", "stopped"]
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_the_stop_rule(tmp_path):
+    """Steps first; the budget once the target is reached; past it while short of the target, up to the cap."""
+    judge = Judge(worker_config(tmp_path, steps=20, time_budget_s=10.0, time_cap_s=30.0))
+    assert judge.record(0, 0.0, 0.1) is Stop.GOING_ON
+    assert judge.record(5, 11.0, 0.5) is Stop.GOING_ON and judge.overtime  # short of 0.9 after the budget
+    assert judge.record(10, 12.0, 0.95) is Stop.TARGET
+    assert Judge(worker_config(tmp_path, target=None, time_budget_s=10.0)).record(5, 10.0, 0.1) is Stop.TIME_BUDGET
+    assert Judge(worker_config(tmp_path, time_budget_s=10.0)).record(1, 10.0, 0.95) is Stop.TIME_BUDGET
+    assert Judge(worker_config(tmp_path, time_budget_s=10.0, time_cap_s=30.0)).record(5, 30.0, 0.1) is Stop.TIME_CAP
+    assert Judge(worker_config(tmp_path, steps=5)).record(5, 99.0, 0.1) is Stop.STEPS
+    reference = Judge(worker_config(tmp_path, reference=True, time_budget_s=10.0, time_cap_s=30.0))
+    assert reference.record(5, 20.0, 0.95) is Stop.GOING_ON and not reference.overtime  # it trains all its steps
+    assert reference.record(6, 30.0, 0.95) is Stop.TIME_CAP
+    assert [p[1] for p in reference.curve] == [5, 6]
 
 
 # ---- emulated networks --------------------------------------------------------------

@@ -18,10 +18,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ...runtime import free_port
 from . import contenders, netem, workloads
+from .worker import WorkerConfig
 
 #: The default time cap, in time budgets: how long a contender still short of a known target may train.
 TIME_CAP_FACTOR = 10.0
@@ -211,7 +212,35 @@ def contender_timeout(config: BenchConfig, run: dict) -> float:
     return 180.0 + 3 * max(run["time_budget_s"], run.get("time_cap_s") or 0.0)
 
 
-def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: dict, net: Optional[netem.Network], log_dir: str) -> dict:
+def worker_config(spec: contenders.Spec, config: BenchConfig, run: dict[str, Any], prefix: str,
+                  measure_link: bool) -> WorkerConfig:
+    """What the ranks of one contender read (``run``: ``BenchConfig.resolved()``, the target and whether it
+    is the reference); their files are named from ``prefix``."""
+    world = config.nodes * config.procs_per_node
+    return WorkerConfig(
+        spec=spec.text,
+        workload=config.workload,
+        model=config.model,
+        seed=config.seed,
+        lr=run["lr"],
+        batch_size=run["batch_size"],
+        steps=run["steps"],
+        time_budget_s=run["time_budget_s"],
+        time_cap_s=run["time_cap_s"],
+        eval_every=run["eval_every"],
+        target=run.get("target"),
+        higher_is_better=run.get("higher_is_better", True),
+        reference=run.get("reference", False),
+        result_path=os.path.abspath(prefix + ".json"),
+        heartbeat_path=os.path.abspath(prefix + ".heartbeat"),
+        threads=max(1, (os.cpu_count() or 1) // world),
+        pg_timeout_s=config.pg_timeout_s,
+        measure_link=measure_link,
+    )
+
+
+def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: dict[str, Any],
+                  net: Optional[netem.Network], log_dir: str) -> dict[str, Any]:
     """Train one contender on fresh ranks; its result, or its failure."""
     entry = {"spec": spec.text, "label": spec.label, "kind": spec.kind}
     reason = contenders.unavailable(spec)
@@ -219,35 +248,22 @@ def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: d
         return {**entry, "status": "not installed", "error": reason}
     safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.text)
     prefix = os.path.join(log_dir, f"{index:02d}-{safe}")
-    world = config.nodes * config.procs_per_node
-    cfg = {
-        **run,
-        "spec": spec.text,
-        "workload": config.workload,
-        "model": config.model,
-        "seed": config.seed,
-        "result_path": os.path.abspath(prefix + ".json"),
-        "threads": max(1, (os.cpu_count() or 1) // world),
-        "pg_timeout_s": config.pg_timeout_s,
-        "heartbeat_path": os.path.abspath(prefix + ".heartbeat"),
-        "measure_link": net is not None,  # the worker reads its node's veth (GLOO_SOCKET_IFNAME)
-    }
-    for stale in (cfg["result_path"], cfg["heartbeat_path"]):
-        if os.path.exists(stale):
+    cfg = worker_config(spec, config, run, prefix, measure_link=net is not None)
+    for stale in (cfg.result_path, cfg.heartbeat_path):
+        if stale and os.path.exists(stale):
             os.remove(stale)
-    cfg_path = prefix + "-config.json"
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=1)
+    cfg_path = os.path.abspath(prefix + "-config.json")
+    cfg.write(cfg_path)
     port = 29500 + index if net else free_port()
     start = time.perf_counter()
-    group = launch(os.path.abspath(cfg_path), world, config.procs_per_node, net, prefix, port)
-    error = wait(group, contender_timeout(config, run), cfg["heartbeat_path"])
+    group = launch(cfg_path, config.nodes * config.procs_per_node, config.procs_per_node, net, prefix, port)
+    error = wait(group, contender_timeout(config, run), cfg.heartbeat_path)
     wall = time.perf_counter() - start
-    if error is None and not os.path.exists(cfg["result_path"]):
+    if error is None and not os.path.exists(cfg.result_path):
         error = "rank 0 finished without writing its result"
     if error:
         return {**entry, "status": "failed", "error": error, "wall_time_s": wall, "logs": group.logs}
-    with open(cfg["result_path"]) as f:
+    with open(cfg.result_path) as f:
         result = json.load(f)
     return {**entry, "status": "ok", "wall_time_s": wall, **result}
 
