@@ -167,8 +167,10 @@ def test_worker_config_round_trips_and_refuses_missing_or_unknown_keys(tmp_path)
 
 
 def test_stop_reasons_keep_their_json_words_and_codes():
-    assert [(int(s), s.text) for s in Stop] == [(0, "going on"), (1, "steps"), (2, "time budget"), (3, "time cap"), (4, "target")]
-    result = WorkerResult("ddp", 4, Stop.TIME_CAP, 1.0, 250.0, 8.0, 10.0, None, 0.5, [[0.0, 0, 0.1]], 7, {"autotune": 1})
+    words = [(0, "going on"), (1, "steps"), (2, "time budget"), (3, "time cap"), (4, "target")]
+    assert [(int(s), s.text) for s in Stop] == words
+    result = WorkerResult("ddp", 4, Stop.TIME_CAP, 1.0, 250.0, 8.0, 10.0, None, 0.5, [[0.0, 0, 0.1]], 7,
+                          {"autotune": 1})
     data = result.to_json()
     assert data["stopped"] == "time cap" and data["autotune"] == 1 and "extra" not in data
     assert list(data)[:3] == ["spec", "steps", "stopped"]
@@ -396,3 +398,57 @@ def test_a_contender_short_of_the_target_trains_past_its_time_budget(tmp_path):
                      "--steps", "24", "--eval-every", "4", "--time-budget", "0.001", "--time-cap", "0.001")
     (ddp,) = doc["contenders"]
     assert (ddp["status"], ddp["steps"], ddp["stopped"], ddp["time_to_target_s"]) == ("ok", 4, "time cap", None)
+
+
+# ---- optional dependencies ---------------------------------------------------------------
+WITHOUT = "import sys; sys.modules[{module!r}] = None; from unison.apps import cli; sys.exit(cli.main(sys.argv[1:]))"
+
+
+def bench_without(module: str, out, *argv: str) -> subprocess.CompletedProcess:
+    """``unison bench ARGV --out OUT`` in a fresh interpreter, from the tests' folder, where ``import module``
+    fails (None in ``sys.modules``, as Python does for a module that is not installed)."""
+    code = WITHOUT.format(module=module)
+    return subprocess.run([sys.executable, "-c", code, "bench", *argv, "--out", str(out)], cwd=HERE,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("module, argv, words", [
+    ("matplotlib", ["--model", "bench_factory:tiny"], ["matplotlib is not installed, and the plots need it", "--no-plot"]),
+    ("sklearn", ["--workload", "digits", "--no-plot"], ["scikit-learn is not installed, and the digits workload"]),
+])
+def test_a_missing_optional_module_stops_the_bench_before_any_contender(tmp_path, module, argv, words):
+    """Found before the network is set up or a contender starts (it used to crash at the plots, after the training)."""
+    proc = bench_without(module, tmp_path / "out", *argv, "--contenders", "ddp", "--steps", "4")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for text in words + ['unison bench: ', 'pip install "unison[bench]"']:
+        assert text in proc.stderr
+    assert not (tmp_path / "out").exists()  # no logs folder: no contender ran
+    assert "contenders" not in proc.stdout  # nor was the run announced
+
+
+def test_no_plot_runs_without_matplotlib(tmp_path):
+    proc = bench_without("matplotlib", tmp_path, "--model", "bench_factory:tiny", "--contenders", "ddp",
+                         "--steps", "4", "--eval-every", "2", "--no-plot")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["plots"] == [] and doc["contenders"][0]["status"] == "ok"
+    assert not list(tmp_path.glob("*.png"))
+    assert "no plots (--no-plot)" in proc.stdout
+
+
+def test_results_are_written_before_the_plots_can_fail(tmp_path, monkeypatch, capsys):
+    """The table and the JSON come first; a plotting error then exits 1 with a message, and loses nothing."""
+    def broken(doc, out_dir):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(report, "write_plots", broken)
+    monkeypatch.chdir(HERE)
+    code = cli.main(["bench", "--model", "bench_factory:tiny", "--contenders", "ddp", "--steps", "4",
+                     "--eval-every", "2", "--out", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "the plots failed (RuntimeError: no display)" in captured.err
+    assert "torch DDP" in captured.out and "Use torch DDP" in captured.out  # the table and the recommendation
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["contenders"][0]["status"] == "ok" and doc["contenders"][0]["steps"] == 4
+    assert doc["plots"] == [] and doc["recommendation"]["contender"] == "ddp"

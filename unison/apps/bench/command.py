@@ -11,12 +11,13 @@ import contextlib
 import os
 import sys
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
+from rich.console import Console
 from rich.markup import escape
 
 from ..argtypes import positive_float, positive_int
-from . import contenders, netem, report, runner, workloads
+from . import contenders, deps, netem, report, runner, workloads
 
 
 def _checked(parse):
@@ -81,6 +82,9 @@ def add_parser(subparsers) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the plots, JSON and logs")
     out.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here (default: DIR/bench.json)")
+    out.add_argument("--no-plot", action="store_true",
+                     help="write no PNG plots (then matplotlib is not needed; without this flag a missing "
+                     "matplotlib stops the bench before it starts)")
     p.set_defaults(run=run)
 
 
@@ -105,13 +109,13 @@ def config_from(args: argparse.Namespace) -> runner.BenchConfig:
         seed=args.seed,
         quick=args.quick,
         out_dir=args.out,
+        plots=not args.no_plot,
         contender_timeout_s=args.contender_timeout,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    """Carry out ``unison bench`` (or --cleanup, --list); the exit code."""
     console = Console(width=None if sys.stdout.isatty() else 120)
     if args.cleanup:
         removed = netem.cleanup_stale()
@@ -145,10 +149,11 @@ def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
         ref = contenders.parse(config.target_from)
         config.target_from = ref.text
         specs = [ref] + [s for s in specs if s.text != ref.text]  # it runs first: the others learn the target
+    deps.check(config)  # a missing matplotlib or scikit-learn stops the bench now, not after the training
     return specs
 
 
-def open_network(config: runner.BenchConfig, console) -> tuple[Optional[netem.Network], dict]:
+def open_network(config: runner.BenchConfig, console: Console) -> tuple[Optional[netem.Network], dict[str, Any]]:
     """The emulated network, or None and why not (then ranks run on loopback)."""
     world = f"{config.nodes} node{'s' if config.nodes > 1 else ''} x {config.procs_per_node} process{'es' if config.procs_per_node > 1 else ''}"
     loopback = {"emulated": False, "nodes": config.nodes}
@@ -172,46 +177,85 @@ def open_network(config: runner.BenchConfig, console) -> tuple[Optional[netem.Ne
     return net, {**info, "summary": f"{world}, {', '.join(parts)}"}
 
 
-def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console, json_path: Optional[str] = None,
+def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console: Console, json_path: Optional[str] = None,
           argv: Optional[list[str]] = None) -> int:
-    """Run the bench and write its report; the exit code (0 even when some contenders failed)."""
-    settings = config.settings()
-    run_settings = config.resolved()
+    """Run the bench and write its report; the exit code (0 even when some contenders failed, 1 when the
+    plots failed: the table and JSON are written before the plots, so a plotting error loses nothing else)."""
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         net, network = open_network(config, console)
         if net is not None:
             stack.callback(net.down)
-        how_long = f"{run_settings['steps']} steps or {run_settings['time_budget_s']:g} s each"
-        if run_settings["time_cap_s"] > run_settings["time_budget_s"] and (config.known_target() is not None or config.target_from):
-            how_long += f" (up to {run_settings['time_cap_s']:g} s to reach the target)"
-        if config.target_from:
-            how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
-        console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; {how_long}")
-
-        def progress(i: int, n: int, r: dict) -> None:
-            if r["status"] == "ok":
-                console.print(f"[{i + 1}/{n}] {escape(r['label'])}: {r['step_ms']:.1f} ms/step, "
-                              f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)")
-            else:
-                console.print(f"[{i + 1}/{n}] {escape(r['label'])}: [red]{r['status']}[/]: {escape(r.get('error', ''))}")
-
-        results = runner.run_all(config, specs, net, progress)
-    summary = report.summarize(results, settings, config.target, config.target_from)
-    doc = {
-        "command": " ".join(argv or []),
-        "workload": {"name": config.model or config.workload, "metric": settings.metric,
-                     "higher_is_better": settings.higher_is_better,
-                     "params": next((r["params"] for r in results if r.get("params")), None), **run_settings},
-        "network": network,
-        "world": {"nodes": config.nodes, "procs_per_node": config.procs_per_node, "world_size": config.nodes * config.procs_per_node},
-        **summary,
-        "wall_time_s": time.perf_counter() - started,
-        "contenders": results,
-    }
-    doc["plots"] = report.write_plots(doc, config.out_dir)
+        announce(config, specs, network, console)
+        results = runner.run_all(config, specs, net, progress_printer(config.settings(), console))
+    doc = report_doc(config, results, network, argv)
+    doc["wall_time_s"] = time.perf_counter() - started
     json_path = json_path or os.path.join(config.out_dir, "bench.json")
     report.write_json(doc, json_path)
     report.print_table(doc, console)
-    console.print(f"plots: {', '.join(doc['plots']) or 'none'}; JSON: {json_path}; logs: {os.path.join(config.out_dir, 'logs')}")
+    code = plot(doc, config.out_dir, json_path) if config.plots else 0
+    plots = ", ".join(doc["plots"]) or ("none (--no-plot)" if not config.plots else "none")
+    console.print(f"plots: {plots}; JSON: {json_path}; logs: {os.path.join(config.out_dir, 'logs')}")
+    return code
+
+
+def announce(config: runner.BenchConfig, specs: list[contenders.Spec], network: dict[str, Any],
+             console: Console) -> None:
+    """The line that says what will run, and which contenders will not (not installed)."""
+    settings, run = config.settings(), config.resolved()
+    how_long = f"{run['steps']} steps or {run['time_budget_s']:g} s each"
+    if run["time_cap_s"] > run["time_budget_s"] and (config.known_target() is not None or config.target_from):
+        how_long += f" (up to {run['time_cap_s']:g} s to reach the target)"
+    if config.target_from:
+        how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
+    console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, "
+                  f"{network['summary']}; {how_long}")
+    for line in deps.skipped(specs):
+        console.print(f"[yellow]{escape(line)}[/]")
+    if not config.plots:
+        console.print("no plots (--no-plot): the table and JSON only")
+
+
+def progress_printer(settings: workloads.Settings, console: Console) -> Callable[[int, int, dict[str, Any]], None]:
+    """What ``runner.run_all`` calls after each contender: one line with its figures or its error."""
+
+    def progress(i: int, n: int, r: dict[str, Any]) -> None:
+        if r["status"] == "ok":
+            console.print(f"[{i + 1}/{n}] {escape(r['label'])}: {r['step_ms']:.1f} ms/step, "
+                          f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)")
+        else:
+            console.print(f"[{i + 1}/{n}] {escape(r['label'])}: [red]{r['status']}[/]: {escape(r.get('error', ''))}")
+
+    return progress
+
+
+def report_doc(config: runner.BenchConfig, results: list[dict[str, Any]], network: dict[str, Any],
+               argv: Optional[list[str]]) -> dict[str, Any]:
+    """The whole report, as the JSON holds it (``plots`` empty until they are drawn)."""
+    settings = config.settings()
+    summary = report.summarize(results, settings, config.target, config.target_from)
+    world = config.nodes * config.procs_per_node
+    return {
+        "command": " ".join(argv or []),
+        "workload": {"name": config.model or config.workload, "metric": settings.metric,
+                     "higher_is_better": settings.higher_is_better,
+                     "params": next((r["params"] for r in results if r.get("params")), None), **config.resolved()},
+        "network": network,
+        "world": {"nodes": config.nodes, "procs_per_node": config.procs_per_node, "world_size": world},
+        **summary,
+        "wall_time_s": None,
+        "contenders": results,
+        "plots": [],
+    }
+
+
+def plot(doc: dict[str, Any], out_dir: str, json_path: str) -> int:
+    """Draw the PNGs and add their paths to the JSON; 1 with a message if plotting fails, else 0."""
+    try:
+        doc["plots"] = report.write_plots(doc, out_dir)
+    except Exception as exc:  # an optional output: the results are on disk already
+        print(f"unison bench: the plots failed ({type(exc).__name__}: {exc}); the table and {json_path} "
+              "are written", file=sys.stderr)
+        return 1
+    report.write_json(doc, json_path)
     return 0

@@ -51,6 +51,7 @@ class BenchConfig:
     seed: int = 0
     quick: bool = False
     out_dir: str = "bench-results"
+    plots: bool = True  # False: --no-plot (no matplotlib needed)
     pg_timeout_s: float = 300.0
     contender_timeout_s: Optional[float] = None
 
