@@ -154,7 +154,7 @@ def eval_between(da, db, s):
 
 
 def grads_are_bucket_views(model) -> bool:
-    flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.nbytes) for b in model._reducer.buckets]
+    flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.nbytes) for b in model._core.reducer.buckets]
     return all(
         any(lo <= p.grad.data_ptr() < hi for lo, hi in flats) for p in model.module.parameters() if p.grad is not None
     )
@@ -171,12 +171,12 @@ def plain():
 
 def many_buckets():
     out = side_by_side(lambda: MLP(hidden=64, depth=5), unison_kwargs={"bucket_cap_mb": 0.004})
-    out["buckets"] = len(out["model"]._reducer.buckets)
+    out["buckets"] = len(out["model"]._core.reducer.buckets)
     return out
 
 
 def bucket_names(model):
-    reducer = model._reducer
+    reducer = model._core.reducer
     return [[reducer.names[i] for i in b.indices] for b in reducer.buckets]
 
 

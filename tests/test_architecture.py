@@ -19,7 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "unison"
 ALGORITHMS = PACKAGE / "algorithms"
 # Lower layers first; a module may import only from its own layer or lower ones.
-LAYERS = ["runtime", "engine", "algorithms", "replica", "events", "join", "parallel", "optim", "checkpoint", "compat", "integrations", "apps"]
+LAYERS = [
+    "runtime", "engine", "hooks", "replica", "algorithms", "events", "core", "join", "parallel", "optim",
+    "checkpoint", "compat", "integrations", "apps",
+]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -43,15 +43,15 @@ def tuned_run():
             opts[k].zero_grad()
             F.mse_loss(model(x), y).backward()
             opts[k].step()
-        if models["tuned"].algorithm_state.tuning is None and models["tuned"]._reducer.cap == slow_for:
+        if models["tuned"].algorithm_state.tuning is None and models["tuned"]._core.reducer.cap == slow_for:
             time.sleep(0.08)
     return {
         "tuning": models["tuned"].algorithm_state.tuning,
         "hier_tuning": models["tuned_hier"].algorithm_state.tuning,
         "chosen": models["tuned"].algorithm_state.chosen_bucket_mb,
         "gain": models["tuned"].algorithm_state.autotune_gain,
-        "cap": models["tuned"]._reducer.cap,
-        "buckets": [b.indices for b in models["tuned"]._reducer.buckets],
+        "cap": models["tuned"]._core.reducer.cap,
+        "buckets": [b.indices for b in models["tuned"]._core.reducer.buckets],
         "diff": max_diff(nets["plain"], nets["tuned"]),
         "diff_hier": max_diff(nets["plain"], nets["tuned_hier"]),
     }

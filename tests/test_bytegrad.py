@@ -203,7 +203,7 @@ def against_allreduce():
     out = {}
     for name, m in models.items():
         out[name] = {
-            "buckets": len(m._reducer.buckets),
+            "buckets": len(m._core.reducer.buckets),
             "spread": spread_across_ranks(m),
             "grad_spread": spread_of_grads(m),
             "change_error": relative_change_error(m, allreduce, initial),

@@ -86,7 +86,7 @@ def cases():
         F.mse_loss(model(x), y).backward()
         before = copy.deepcopy(net.state_dict())
         opt.step()
-    out["deferred"] = model._reducer._unfinished and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    out["deferred"] = model._core.reducer._unfinished and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
     saved = model.state_dict()
     out["state_dict_flushes"] = any(not torch.equal(saved[k], before[k]) for k in before)
     # A parameter used outside its module's forward is refused, not silently stale.

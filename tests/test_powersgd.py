@@ -173,13 +173,13 @@ def check_state_round_trip() -> dict:
     torch.manual_seed(6)
     c = dp(MLP(hidden=32), rank=1, start_iter=1)
     c.module.load_state_dict({k: v for k, v in saved.items() if not k.startswith("_unison")})
-    c.algorithm_state.steps = a.algorithm_state.steps
+    c.algorithm_state.passes = a.algorithm_state.passes
     torch.manual_seed(6)
     d = dp(MLP(hidden=32), rank=1, start_iter=1)
     no_q = dict(saved)
     no_q["_unison_algorithm"] = {**saved["_unison_algorithm"], "state": {**saved["_unison_algorithm"]["state"], "qs": {}}}
     d.load_state_dict(no_q)
-    steps = (a.algorithm_state.steps, b.algorithm_state.steps)
+    steps = (a.algorithm_state.passes, b.algorithm_state.passes)
     before = max_diff(a.module, b.module)
     for m in (a, b, c, d):
         train_step(m, torch.optim.SGD(m.parameters(), lr=0.05), *batch(4, rank))
@@ -189,7 +189,7 @@ def check_state_round_trip() -> dict:
         "weights_only": max_diff(a.module, c.module),
         "without_warm_start": max_diff(a.module, d.module),
         "steps": steps,
-        "buckets": len(b._reducer.buckets),
+        "buckets": len(b._core.reducer.buckets),
     }
 
 

@@ -16,7 +16,7 @@ import launch
 import unison
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
-from unison.algorithms.streaming import Stagger, fragments_of, resolve
+from unison.algorithms.streaming import Stagger, default_schedule, fragments_of
 
 PERIOD, FRAGMENTS, DELAY, STEPS = 4, 2, 1, 12
 
@@ -197,9 +197,9 @@ def test_stagger_spreads_the_syncs_over_the_period():
         4: [0], 8: [1], 12: [2], 16: [3], 20: [0], 24: [1], 28: [2], 32: [3]
     }
     assert Stagger(16, 1, 0).launching(16) == [0] and Stagger(16, 1, 0).launching(8) == []
-    assert (resolve(16, None, None).fragments, resolve(16, None, None).delay) == (4, 2)
-    assert (resolve(1, None, None).fragments, resolve(1, None, None).delay) == (1, 0)
-    assert (resolve(3, None, None).fragments, resolve(3, None, None).delay) == (3, 0)
+    assert (default_schedule(16, None, None).fragments, default_schedule(16, None, None).delay) == (4, 2)
+    assert (default_schedule(1, None, None).fragments, default_schedule(1, None, None).delay) == (1, 0)
+    assert (default_schedule(3, None, None).fragments, default_schedule(3, None, None).delay) == (3, 0)
 
 
 def check_lowprec_streamed(fragments: int, delay: int, name: str = "low_precision_decentralized") -> dict:

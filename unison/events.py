@@ -23,13 +23,16 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
-from .algorithms.base import Algorithm
+from .algorithms.base import Algorithm, State
+from .engine.buckets import Bucket
+from .engine.comm import Pending
 from .replica import Replica
 
 
 class Dispatcher:
-    """Fires one algorithm's events for one replica; the engine's policy too.
+    """Fires one algorithm's events for one replica; the gradient engine asks it its questions too.
 
     Args:
         algorithm: the configured algorithm.
@@ -41,10 +44,10 @@ class Dispatcher:
         events.after_step(optimizer)
     """
 
-    def __init__(self, algorithm: Algorithm, replica: Replica) -> None:
+    def __init__(self, algorithm: Algorithm[Any], replica: Replica) -> None:
         self.algorithm = algorithm
         self.replica = replica
-        self.state = algorithm.setup(replica)
+        self.state: Optional[State] = algorithm.setup(replica)
 
     # ---- forward ----------------------------------------------------------------
     def before_forward(self) -> None:
@@ -53,8 +56,8 @@ class Dispatcher:
     def after_forward(self, output: Any) -> None:
         self.algorithm.after_forward(self.replica, self.state, output)
 
-    # ---- the engine's questions (GradReducer's policy) -------------------------------
-    def gradient_group(self):
+    # ---- the gradient engine's questions ----------------------------------------------
+    def gradient_group(self) -> Optional[dist.ProcessGroup]:
         return self.algorithm.gradient_group(self.replica, self.state)
 
     def sync_gradients(self) -> bool:
@@ -63,10 +66,10 @@ class Dispatcher:
     def grad_scale(self, world_size: int) -> float:
         return self.algorithm.grad_scale(self.replica, self.state, world_size)
 
-    def reduce_bucket(self, bucket, group):
+    def reduce_bucket(self, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Pending:
         return self.algorithm.reduce_bucket(self.replica, self.state, bucket, group)
 
-    def bucket_wire_bytes(self, bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, bucket: Bucket, world_size: int) -> int:
         return self.algorithm.bucket_wire_bytes(self.replica, self.state, bucket, world_size)
 
     def after_backward(self) -> None:
@@ -76,8 +79,8 @@ class Dispatcher:
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.algorithm.after_step(self.replica, self.state, optimizer)
 
-    def end_epoch(self, loss: Optional[float]) -> None:
-        self.algorithm.end_epoch(self.replica, self.state, loss)
+    def end_epoch(self, loss: Optional[float], averaged: bool = False) -> None:
+        self.algorithm.end_epoch(self.replica, self.state, loss, averaged)
 
     def flush(self) -> None:
         self.algorithm.flush(self.replica, self.state)
@@ -90,17 +93,14 @@ class Dispatcher:
         self.algorithm.release(self.replica, self.state)
 
     def teardown(self) -> None:
-        """The algorithm leaves: finish its work, release its threads, remove its hooks."""
-        try:
-            self.algorithm.flush(self.replica, self.state)
-            self.algorithm.teardown(self.replica, self.state)
-        finally:
-            self.replica.remove_hooks()
+        """The algorithm leaves: finish its work, release its threads (the wrapper removes its hooks)."""
+        self.algorithm.flush(self.replica, self.state)
+        self.algorithm.teardown(self.replica, self.state)
 
     # ---- state ----------------------------------------------------------------------
     @property
     def bytes_sent(self) -> int:
-        return getattr(self.state, "bytes_sent", 0)
+        return self.state.bytes_sent if self.state is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict() if self.state is not None else {}

@@ -14,6 +14,9 @@ semantics). Gradient averages keep dividing by the full world size unless
 
 from __future__ import annotations
 
+from types import TracebackType
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -24,25 +27,78 @@ from .runtime import private_group
 STEP = 8
 
 
-class Join:
-    """The context manager ``DataParallel.join()`` returns (``model`` is that DataParallel)."""
+class JoinHook:
+    """What ``Join`` needs of a wrapper (in the spirit of torch's ``JoinHook``): its group,
+    the events a rank that ran out of inputs shadows, and the agreement at the end.
+    ``DataParallel.join_hook()`` returns one.
 
-    def __init__(self, model, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
-        self.model = model
-        self.enable = enable and model.process_group is not None and model.world_size > 1
+    Attributes:
+        group: the replicas' process group; ``rank``, ``world_size`` in it.
+        tag: the wrapper's tag (names the join's private group).
+    """
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    tag: str
+
+    def attach(self, join: Optional["Join"]) -> None:
+        """Route the wrapper's announcements to ``join`` (None: the join has ended)."""
+        raise NotImplementedError
+
+    def shadow_step(self, index: int) -> None:
+        """Take part in optimizer ``index``'s step of the others, updating nothing."""
+        raise NotImplementedError
+
+    def shadow_forward(self, grad: bool, sync: bool) -> None:
+        """Take part in a forward (and backward, with ``grad``) of the others, contributing zeros."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Finish this rank's pending work (no new collective)."""
+        raise NotImplementedError
+
+    def quiesce(self) -> None:
+        """Bring every rank's algorithm to a common rest (a collective)."""
+        raise NotImplementedError
+
+    def set_divisor(self, active: Optional[int]) -> None:
+        """Divide gradient sums by ``active`` ranks (None: by the group's size)."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameters and buffers every rank takes from the one that trained longest."""
+        raise NotImplementedError
+
+
+class Join:
+    """The context manager ``DataParallel.join()`` returns.
+
+    Args:
+        hook: the wrapper's ``join_hook()``.
+        divide_by_initial_world_size, enable, throw_on_early_termination: as torch's ``Join``.
+    """
+
+    def __init__(
+        self, hook: JoinHook, divide_by_initial_world_size: bool = True, enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> None:
+        self.hook = hook
+        self.enable = enable and hook.group is not None and hook.world_size > 1
         self.divide = divide_by_initial_world_size
         self.throw = throw_on_early_termination
         self.events = 0  # this rank's own events, to find the rank that trained longest
+        self.group: Optional[dist.ProcessGroup] = None
 
     def __enter__(self) -> "Join":
         if self.enable:
-            if self.model._join is not None:
-                raise RuntimeError("model.join() is already active; it cannot be nested")
-            self.group = private_group(self.model.process_group, f"{self.model.serial}/join")
-            self.model._join = self
+            self.hook.attach(self)
+            self.group = private_group(self.hook.group, f"{self.hook.tag}/join")
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> bool:
         if not self.enable:
             return False
         try:
@@ -50,9 +106,7 @@ class Join:
                 self._shadow_until_all_done()
                 self._take_longest_trained()
         finally:
-            self.model._join = None
-            if self.model._reducer is not None:
-                self.model._reducer.set_divisor(None)
+            self.hook.attach(None)
         return False
 
     # ---- the ranks still training ---------------------------------------
@@ -62,57 +116,44 @@ class Join:
         active, total, joined = self._exchange(1, code, 0)
         if joined and self.throw:
             raise RuntimeError(
-                f"rank {self.model.rank}: {joined} rank(s) ran out of inputs (model.join(throw_on_early_termination=True))"
+                f"rank {self.hook.rank}: {joined} rank(s) ran out of inputs (model.join(throw_on_early_termination=True))"
             )
         if total != code * active:
             raise RuntimeError(
-                f"rank {self.model.rank}: the ranks still training run different steps "
+                f"rank {self.hook.rank}: the ranks still training run different steps "
                 f"(event {code} here, mean {total / active:.2f} among {active}): they must run the same loop"
             )
         self._set_scale(active)
 
     # ---- the ranks that ran out ---------------------------------------
     def _shadow_until_all_done(self) -> None:
-        model = self.model
-        model.flush()
+        self.hook.flush()
         while True:
             active, total, _ = self._exchange(0, 0, 1)
             if self.throw and active:
-                raise RuntimeError(f"rank {model.rank} ran out of inputs (model.join(throw_on_early_termination=True))")
+                raise RuntimeError(f"rank {self.hook.rank} ran out of inputs (model.join(throw_on_early_termination=True))")
             if active == 0:
                 return
             self._set_scale(active)
             self._shadow(total // active)
 
     def _shadow(self, code: int) -> None:
-        model = self.model
         if code >= STEP:
-            index = code - STEP
-            if index >= len(model.optimizers):
-                raise RuntimeError(f"rank {model.rank}: another rank stepped optimizer {index}, this one has {len(model.optimizers)}")
-            model._before_step(model.optimizers[index], shadow=True)
-            model._after_step(model.optimizers[index], shadow=True)
-            return
-        grad, sync = bool((code - 1) & 1), bool((code - 1) & 2)
-        model._events.before_forward()
-        model._events.after_forward(None)
-        if grad and model._reducer is not None:
-            with torch.no_grad():
-                for _, p in model._trainable:
-                    p.grad = None  # nothing to contribute: zeros go out, the average comes back
-            model._reducer.shadow_pass(sync)
+            self.hook.shadow_step(code - STEP)
+        else:
+            self.hook.shadow_forward(grad=bool((code - 1) & 1), sync=bool((code - 1) & 2))
 
     def _take_longest_trained(self) -> None:
         """Everybody takes the parameters and buffers of the rank with the most events."""
-        model = self.model
-        model.flush()
-        model._events.average()  # quiesce: async's thread stops after a common round, syncs in flight land
-        t = torch.tensor([self.events * model.world_size + (model.world_size - 1 - model.rank)], dtype=torch.int64)
+        hook = self.hook
+        hook.flush()
+        hook.quiesce()
+        world = hook.world_size
+        t = torch.tensor([self.events * world + (world - 1 - hook.rank)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        source = model.world_size - 1 - int(t.item()) % model.world_size
-        tensors = list(model.module.parameters()) + list(model.module.buffers())
+        source = world - 1 - int(t.item()) % world
         with torch.no_grad():
-            AsyncBroadcast(tensors, self.group, source).finish()
+            AsyncBroadcast(hook.tensors(), self.group, source).finish()
 
     # ---- plumbing ---------------------------------------------------------
     def _exchange(self, active: int, code: int, joined: int) -> tuple[int, int, int]:
@@ -122,10 +163,9 @@ class Join:
         return a, c, j
 
     def _set_scale(self, active: int) -> None:
-        reducer = self.model._reducer
-        if reducer is not None:
-            reducer.set_divisor(None if self.divide else active)
+        self.hook.set_divisor(None if self.divide else active)
 
 
 def forward_code(grad: bool, sync: bool) -> int:
+    """The event code of a forward (see ``STEP``)."""
     return 1 + int(grad) + 2 * int(sync)

@@ -10,7 +10,6 @@ builds a ``Replica`` for the algorithm and fires its events through a ``Dispatch
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -18,18 +17,10 @@ import torch.distributed as dist
 
 from . import algorithms as algos
 from .algorithms.qadam_optimizer import QAdamOptimizer
-from .engine.buckets import MB
-from .engine.comm import check_same_everywhere, default_broadcast
-from .engine.reducer import GradReducer
-from .events import Dispatcher
-from .parallel import ALGORITHM_KEY
-from .replica import Replica
+from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries
+from .engine.comm import default_broadcast
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
-
-# Numbers DistributedOptimizers in creation order (the same on every rank); it
-# names their private process groups, apart from DataParallel's.
-_serials = itertools.count()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -78,12 +69,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         steps = backward_passes_per_step
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer, got {steps!r}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        check_bucket_cap(bucket_cap_mb)
         self.optimizer = optimizer
         self.backward_passes_per_step = steps
         self.bucket_cap_mb = bucket_cap_mb
-        self.algorithm = algos.resolve(algorithm)
+        self.algorithm = algos.as_algorithm(algorithm)
         if not self.algorithm.reduces_gradients or self.algorithm.defers_completion:
             raise ValueError(
                 f"algorithm {self.algorithm.name!r} needs the model's forward (it does not finish averaging gradients "
@@ -91,35 +81,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._names = _name_map(named_parameters)
         self._passes = 0  # backward passes since the last averaged one
-        self._reducer: Optional[GradReducer] = None
-        self.optimizers = [optimizer]
-        self.serial = f"optimizer-{next(_serials)}"
-        self.process_group, self.world_size, self.rank = _membership(process_group)
+        self.serial = new_tag("optimizer")
+        self.process_group, self.world_size, self.rank = membership(process_group, "DistributedOptimizer")
         named = self._named_params()
         self._connect(named)
-        self._replica = Replica(named, [], self.optimizers, self.process_group, tag=self.serial, bucket_cap_mb=bucket_cap_mb)
-        self._events = Dispatcher(self.algorithm, self._replica)
-        self._step_hooks = [
-            optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: self._replica.run_before_step(opt)),
-            optimizer.register_step_post_hook(lambda opt, _args, _kwargs: self._after_step(opt)),
-        ]
+        self._core = Core(self.algorithm, named, [], self.process_group, self.serial, bucket_cap_mb=bucket_cap_mb)
+        self.optimizers = self._core.optimizers
+        self._core.add_optimizer(optimizer, self._core.before_step, self._core.after_step)
+        self._core.start()
         self._build_reducer()
-
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._replica.record_step(optimizer)
-        try:
-            self._events.after_step(optimizer)
-        finally:
-            self._replica.run_after_step(optimizer)
 
     def close(self) -> None:
         """Stop averaging: remove the hooks on the parameters and the wrapped optimizer."""
-        self._events.teardown()
-        for handle in self._step_hooks:
-            handle.remove()
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer = self._replica.engine = None
+        self._core.stop()
+        self._core.release()
 
     # ---- the wrapped optimizer's state, shared ----------------------------
     @property
@@ -177,31 +152,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Check that every rank holds the same parameters and settings, then take rank 0's values."""
         if self.process_group is None:
             return
-        entries = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+        entries = parameter_entries(named)
         entries += [
             ("setting", "algorithm", self.algorithm.describe()),
             ("setting", "backward_passes_per_step", self.backward_passes_per_step),
             ("setting", "bucket_cap_mb", self.bucket_cap_mb),
         ]
-        check_same_everywhere("the optimizers' parameters", entries, self.process_group, _describe_entry)
+        check_ranks_agree("the optimizers' parameters", entries, self.process_group)
         if named:
             with torch.no_grad():
                 default_broadcast([p for _, p in named], self.process_group)
 
     def _build_reducer(self) -> None:
         """The gradient engine over the parameters that require grad (none without a process group)."""
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer = self._replica.engine = None
-        trainable = [(n, p) for n, p in self._named_params() if p.requires_grad]
-        if self.process_group is None or not trainable:
+        self._core.remove_reducer()
+        self._core.replica.named_parameters = self._named_params()
+        if self.process_group is None or not self._core.replica.trainable:
             return
-        names, params = zip(*trainable)
-        self._replica.named_parameters = self._named_params()
-        self._reducer = GradReducer(
-            params, names, self.process_group, self._events, int(self.bucket_cap_mb * MB), tag=self.serial, decide_sync=self._decide_sync
-        )
-        self._replica.engine = self._reducer
+        self._core.build_reducer(self.process_group, decide_sync=self._decide_sync)
         self._passes = 0
 
     def _decide_sync(self) -> bool:
@@ -241,25 +209,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus the algorithm's state if it keeps any."""
-        self._events.flush()
+        self._core.events.flush()
         state = self.optimizer.state_dict()
-        algorithm_state = self._events.state_dict()
-        if algorithm_state:
-            state = {**state, ALGORITHM_KEY: {"name": self.algorithm.name, "state": algorithm_state}}
-        return state
+        entry = self._core.algorithm_entry()
+        return {**state, ALGORITHM_KEY: entry} if entry is not None else state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict saved by ``state_dict()`` or by the wrapped optimizer."""
         state = dict(state_dict)
-        algorithm_state = state.pop(ALGORITHM_KEY, None)
-        if algorithm_state is not None and algorithm_state["name"] != self.algorithm.name:
-            raise ValueError(
-                f"the state dict holds the state of algorithm {algorithm_state['name']!r} but this optimizer "
-                f"runs {self.algorithm.name!r}"
-            )
+        entry = state.pop(ALGORITHM_KEY, None)
+        if entry is not None and entry["name"] != self.algorithm.name:
+            self._core.load_algorithm_entry(entry, True, "optimizer")  # raises before the optimizer changes
         self.optimizer.load_state_dict(state)
-        if algorithm_state is not None:
-            self._events.load_state_dict(algorithm_state["state"])
+        if entry is not None:
+            self._core.load_algorithm_entry(entry, True, "optimizer")
 
 
 def _name_map(named_parameters: Optional[NamedParameters]) -> Optional[dict[int, str]]:
@@ -279,26 +242,6 @@ def _name_map(named_parameters: Optional[NamedParameters]) -> Optional[dict[int,
         seen[name] = id(p)
         names.setdefault(id(p), name)
     return names
-
-
-def _membership(process_group: Optional[dist.ProcessGroup]) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    """(group, world size, rank in it), or (None, 1, 0) without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        group = process_group if process_group is not None else dist.group.WORLD
-        if dist.get_rank(group) < 0:
-            raise ValueError("this process is not a member of the process_group given to DistributedOptimizer")
-        return group, dist.get_world_size(group), dist.get_rank(group)
-    if process_group is not None:
-        raise ValueError("process_group was given but torch.distributed is not initialized; call unison.init() first")
-    return None, 1, 0
-
-
-def _describe_entry(entry: tuple) -> str:
-    """How a construction-check entry reads in an error message."""
-    if entry[0] == "setting":
-        return f"setting {entry[1]}={entry[2]!r}"
-    frozen = "" if entry[4] else ", frozen"
-    return f"parameter {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{frozen})"
 
 
 __all__ = ["DistributedOptimizer", "QAdamOptimizer"]

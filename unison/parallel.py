@@ -9,13 +9,12 @@ flat buckets overlapped with backward.
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 import weakref
 import zlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -23,14 +22,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
+from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
-from .engine.buckets import MB
-from .engine.comm import AsyncBroadcast, check_same_everywhere, default_broadcast
+from .engine.comm import AsyncBroadcast, default_broadcast
 from .engine.reducer import GradReducer
-from .events import Dispatcher
-from .join import STEP, Join, forward_code
-from .replica import Replica
+from .join import STEP, Join, JoinHook, forward_code
 from .runtime import health, private_group
 
 # torch DDP arguments that have no meaning here: accepted, with a warning.
@@ -47,12 +44,7 @@ _IGNORED_DDP_ARGS = (
     "skip_all_reduce_unused_params",
 )
 
-# The key under which DataParallel.state_dict() keeps the algorithm's state.
-ALGORITHM_KEY = "_unison_algorithm"
-
-# Numbers DataParallel instances in creation order (the same on every rank), so
-# their private process groups can be found again after an algorithm switch.
-_serials = itertools.count()
+__all__ = ["ALGORITHM_KEY", "DataParallel"]
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
@@ -135,61 +127,42 @@ class DataParallel(nn.Module):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
 
         self.module = module
-        self.serial = next(_serials)
-        self.algorithm = algos.resolve(algorithm)
+        self.algorithm = algos.as_algorithm(algorithm)
         self.broadcast_buffers = broadcast_buffers
-        self.bucket_cap_mb = bucket_cap_mb
         self.negotiate_grads = negotiate_grads
         self.delay_reduce = delay_reduce
+        self.nonfinite = nonfinite
+        self.debug = bool(debug)
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
-        self._reducer: Optional[GradReducer] = None
-        self.nonfinite = nonfinite
-        self.debug = bool(debug)
         self._join: Optional[Join] = None
         self._forwards = 0
         self._skipped_local = 0
-        self._retired_bytes = self._retired_steps = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
-        self._step_group = None
-
-        if dist.is_available() and dist.is_initialized():
-            self.process_group = process_group if process_group is not None else dist.group.WORLD
-            if dist.get_rank(self.process_group) < 0:
-                raise ValueError("this process is not a member of the process_group given to DataParallel")
-            self.world_size = dist.get_world_size(self.process_group)
-            self.rank = dist.get_rank(self.process_group)
-        else:
-            if process_group is not None:
-                raise ValueError("process_group was given but torch.distributed is not initialized; call unison.init() first")
-            self.process_group = None
-            self.world_size, self.rank = 1, 0
+        self._step_group: Optional[dist.ProcessGroup] = None
+        self.process_group, self.world_size, self.rank = membership(process_group, "DataParallel")
+        self.serial = new_tag("model")
 
         named = list(module.named_parameters())
-        self._trainable = [(n, p) for n, p in named if p.requires_grad]
-        self.optimizers: list[torch.optim.Optimizer] = []
-        # Hooks this wrapper put on the optimizers (removed by close()).
-        self._optimizer_hooks: list[RemovableHandle] = []
-        self._replica = Replica(
+        self._core = Core(
+            self.algorithm,
             named,
             list(module.named_buffers()),
-            self.optimizers,
             self.process_group,
-            tag=str(self.serial),
+            self.serial,
             modules=list(module.modules()),
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
         )
+        self.optimizers = self._core.optimizers
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
                 self.register_optimizer(opt)
         if self.process_group is not None:
             self._construct_collectives(named)
-        self._events: Optional[Dispatcher] = None
-        self._running: list[Optional[Dispatcher]] = [None]  # the dispatcher, for the finalizer
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
-        self._finalizer = weakref.finalize(self, _release, self._replica, self._optimizer_hooks, self._running)
+        self._finalizer = weakref.finalize(self, self._core.release)
         self._start_algorithm()
 
     # ---- construction helpers ----------------------------------------
@@ -204,7 +177,7 @@ class DataParallel(nn.Module):
                 self._broadcast_function(tensors, self.process_group)
 
     def _check_ranks_agree(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        entries = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+        entries = parameter_entries(named)
         entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
         entries += [
             ("setting", "algorithm", self.algorithm.describe()),
@@ -217,48 +190,31 @@ class DataParallel(nn.Module):
             ("setting", "world size", self.world_size),
             ("setting", "optimizers", len(self.optimizers)),
         ]
-        check_same_everywhere("the wrapped models", entries, self.process_group, _describe_entry)
+        check_ranks_agree("the wrapped models", entries, self.process_group)
 
     def _start_algorithm(self) -> None:
-        self._events = self._running[0] = Dispatcher(self.algorithm, self._replica)
-        group = self._events.gradient_group() if self.process_group is not None else None
+        events = self._core.start()
+        group = events.gradient_group() if self.process_group is not None else None
         distributed = group is not None and dist.get_world_size(group) > 1
         if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:
             self._build_reducer(group if distributed else None)
 
-    def _build_reducer(self, group) -> GradReducer:
+    def _build_reducer(self, group: Optional[dist.ProcessGroup]) -> GradReducer:
         """The gradient engine over the trainable parameters (``group`` None: one replica)."""
-        names, params = zip(*self._trainable) if self._trainable else ((), ())
         has_buffers = self.broadcast_buffers and group is not None and any(True for _ in self.module.buffers())
-        self._reducer = GradReducer(
-            params,
-            names,
+        return self._core.build_reducer(
             group,
-            self._events,
-            bucket_cap_bytes=int(self.bucket_cap_mb * MB),
-            tag=str(self.serial),
             negotiate=self.negotiate_grads,
             delay=self.delay_reduce,
             reduce_function=self._reduce_function,
             nonfinite=self.nonfinite,
-            on_begin=[_weak(self._start_buffer_sync)] if has_buffers else [],
-            on_end=[_weak(self._finish_buffer_sync)] if has_buffers else [],
+            on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
+            on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
             defers_completion=self.algorithm.defers_completion,
         )
-        self._replica.engine = self._reducer
-        return self._reducer
-
-    def _stop_algorithm(self) -> None:
-        self._events.teardown()
-        self._retired_bytes += self._events.bytes_sent
-        if self._reducer is not None:
-            self._retired_bytes += self._reducer.bytes_total
-            self._retired_steps += self._reducer.steps
-            self._reducer.remove()
-            self._reducer = self._replica.engine = None
 
     @health.translated("switch_to()")
-    def switch_to(self, algorithm: Union[str, algos.Algorithm]) -> "DataParallel":
+    def switch_to(self, algorithm: Union[str, algos.Algorithm[Any]]) -> "DataParallel":
         """Change the algorithm mid-training, on every rank at the same step; returns the model.
 
         Pending communication completes, the replicas' parameters are averaged
@@ -269,12 +225,12 @@ class DataParallel(nn.Module):
 
             model = model.switch_to("local_sgd:period=8")
         """
-        new = algos.resolve(algorithm)
+        new = algos.as_algorithm(algorithm)
         if self.process_group is not None:
-            check_same_everywhere("the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group, _describe_entry)
+            check_ranks_agree("the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group)
         self.average()
-        self._stop_algorithm()
-        self.algorithm = new
+        self._core.stop()
+        self.algorithm = self._core.algorithm = new
         self._start_algorithm()
         return self
 
@@ -285,29 +241,42 @@ class DataParallel(nn.Module):
         The module keeps its trained weights and can be wrapped again. Called
         automatically when the wrapper is garbage-collected.
         """
-        if self._events is None:
+        if self._core.dispatcher is None:
             return
-        self._stop_algorithm()
-        self._events = self._running[0] = None
+        self._core.stop()
         self._finalizer()
 
     @property
-    def algorithm_state(self):
+    def algorithm_state(self) -> Optional[algos.State]:
         """The running algorithm's per-model state (what its ``setup`` built), or None."""
-        return None if self._events is None else self._events.state
+        return None if self._core.dispatcher is None else self._core.dispatcher.state
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The gradient bucket size, in MiB (``set_bucket_size`` changes it)."""
+        return self._core.bucket_cap_mb
+
+    def set_bucket_size(self, bucket_cap_mb: float) -> None:
+        """Re-plan the gradient buckets at ``bucket_cap_mb`` MiB each, now and for later algorithms.
+
+        No collective, but every rank must call it with the same value between
+        the same two steps (autotuners pick it from scores agreed by all ranks).
+        """
+        self._core.set_bucket_size(bucket_cap_mb)
 
     def _start_buffer_sync(self) -> None:
-        if self._broadcast_function is default_broadcast:
+        reducer = self._core.reducer
+        if self._broadcast_function is default_broadcast and reducer is not None:
             # Over the gradient group: the node under DASO, the process group otherwise.
-            self._buffer_sync = AsyncBroadcast(list(self.module.buffers()), self._reducer.group)
+            self._buffer_sync = AsyncBroadcast(list(self.module.buffers()), reducer.group)
 
     def _finish_buffer_sync(self) -> None:
         if self._buffer_sync is not None:
             self._buffer_sync.finish()
             self._buffer_sync = None
-        else:
+        elif self._core.reducer is not None:
             with torch.no_grad():
-                self._broadcast_function(list(self.module.buffers()), self._reducer.group)
+                self._broadcast_function(list(self.module.buffers()), self._core.reducer.group)
 
     # ---- the training step ---------------------------------------------
     @health.translated("forward")
@@ -318,8 +287,9 @@ class DataParallel(nn.Module):
             self._check_step_agrees()
         self._forwards += 1
         health.advance()
-        self._events.before_forward()
-        reducer = self._reducer
+        events = self._core.events
+        events.before_forward()
+        reducer = self._core.reducer
         if reducer is not None and torch.is_grad_enabled():
             reducer.prepare(self._require_sync)
             output = self.module(*args, **kwargs)
@@ -327,17 +297,17 @@ class DataParallel(nn.Module):
                 reducer.watch(output)
         else:
             output = self.module(*args, **kwargs)
-        self._events.after_forward(output)
+        events.after_forward(output)
         return output
 
     def _check_step_agrees(self) -> None:
         """Debug mode: every rank must be about to run the same step (cheap hash first)."""
-        r = self._reducer
+        r = self._core.reducer
         entries = [
             ("setting", "forward number", self._forwards),
             ("setting", "gradients enabled", torch.is_grad_enabled()),
             ("setting", "synchronized (not no_sync)", self._require_sync),
-            ("setting", "optimizer steps", self._replica.steps),
+            ("setting", "optimizer steps", self._core.clock.steps),
             ("setting", "algorithm", self.algorithm.describe()),
             ("setting", "world size", self.world_size),
             ("setting", "bucket plan", [b.indices for b in r.buckets] if r is not None else None),
@@ -346,7 +316,7 @@ class DataParallel(nn.Module):
         extremes = torch.tensor([digest, -digest], dtype=torch.int64)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._step_group)
         if extremes[0].item() != -extremes[1].item():  # max differs from min
-            check_same_everywhere("the training steps (debug mode)", entries, self._step_group, _describe_entry)
+            check_ranks_agree("the training steps (debug mode)", entries, self._step_group)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
         """A context manager for uneven inputs: wrap the training loop in it.
@@ -366,22 +336,17 @@ class DataParallel(nn.Module):
                     loss_fn(model(x), y).backward()
                     optimizer.step()
         """
-        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+        return Join(self.join_hook(), divide_by_initial_world_size, enable, throw_on_early_termination)
 
-    def set_bucket_size(self, bucket_cap_mb: float) -> None:
-        """Re-plan the gradient buckets at ``bucket_cap_mb`` MiB each, now and for later algorithms.
-
-        No collective, but every rank must call it with the same value between
-        the same two steps (autotuners pick it from scores agreed by all ranks).
-        """
-        self.bucket_cap_mb = self._replica.bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
-        if self._reducer is not None:
-            self._reducer.set_bucket_cap(int(self.bucket_cap_mb * MB))
+    def join_hook(self) -> JoinHook:
+        """What ``join()`` runs on this model: announces, shadow steps, the final agreement."""
+        return _JoinHook(self)
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped on every rank because a gradient was not finite (``nonfinite="skip"``)."""
-        return self._skipped_local + (self._reducer.skipped_steps if self._reducer is not None else 0)
+        reducer = self._core.reducer
+        return self._skipped_local + (reducer.skipped_steps if reducer is not None else 0)
 
     @health.translated("average()")
     def average(self) -> None:
@@ -393,10 +358,11 @@ class DataParallel(nn.Module):
         call it at the end of training before saving; ``state_dict()`` itself
         never communicates, so saving on rank 0 alone cannot hang.
         """
-        self._events.flush()
+        events = self._core.events
+        events.flush()
         if self.process_group is None:
             return
-        self._events.average()
+        events.average()
         with torch.no_grad():
             params = list(self.module.parameters())
             if params:
@@ -405,21 +371,21 @@ class DataParallel(nn.Module):
             if buffers and self.broadcast_buffers:
                 self._broadcast_function(buffers, self.process_group)
         if self.algorithm.replicas_drift:
-            self._retired_bytes += average_optimizer_states(self.optimizers, self.process_group)
+            self._core.retired_bytes += average_optimizer_states(self.optimizers, self.process_group)
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
-        if self._events is not None:
-            self._events.flush()
+        if self._core.dispatcher is not None:
+            self._core.dispatcher.flush()
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> "DataParallel":
         """Set training mode; leaving it (``eval()``) first flushes pending updates."""
-        if not mode and self.__dict__.get("_events") is not None:
-            self._events.flush()
+        if not mode and "_core" in self.__dict__:
+            self.flush()
         return super().train(mode)
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside this block accumulate local
         gradients without communicating; the next synchronized one averages the sum."""
         previous = self._require_sync
@@ -431,37 +397,31 @@ class DataParallel(nn.Module):
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if any(opt is optimizer for opt in self.optimizers):
-            raise ValueError("this optimizer is already registered with this DataParallel")
-        before, after = _weak(self._before_step), _weak(self._after_step)
-        self._optimizer_hooks.append(optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: before(opt)))
-        self._optimizer_hooks.append(optimizer.register_step_post_hook(lambda opt, _args, _kwargs: after(opt)))
-        self.optimizers.append(optimizer)
+        self._core.add_optimizer(optimizer, weak(self._before_step), weak(self._after_step))
 
     @health.translated("optimizer.step()")
     def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         """Before a registered optimizer's step: the algorithm's pre-step hooks, tell joined ranks,
         check gradients if asked."""
         if not shadow:
-            self._replica.run_before_step(optimizer)
-        if self.process_group is None or id(optimizer) in self._replica.replaced_steps:
+            self._core.before_step(optimizer)
+        if self.process_group is None or self._core.hooks.replaced(optimizer):
             return  # nonblocking runs the real step layer by layer inside forward
         if self._join is not None and not shadow:
             self._join.notify(STEP + self.optimizers.index(optimizer))
         if self.nonfinite is not None and optimizer is self.optimizers[0]:
-            r = self._reducer
+            r = self._core.reducer
             covered = r is not None and r.nonfinite_checked and r.group is not None and dist.get_world_size(r.group) == self.world_size
             if not covered:
                 self._check_finite_at_step(shadow)
 
     def _check_finite_at_step(self, shadow: bool) -> None:
         """Gradients that were not averaged this step (model averaging): agree on the first bad one."""
-        n = len(self._trainable)
+        trainable = self._core.replica.trainable
+        n = len(trainable)
         bad = None
         if not shadow:
-            for i, (_, p) in enumerate(self._trainable):
+            for i, (_, p) in enumerate(trainable):
                 if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                     bad = i
                     break
@@ -471,28 +431,28 @@ class DataParallel(nn.Module):
             return
         rank, index = nonfinite_.decode(int(code.item()), self.world_size, n)
         if self.nonfinite == "raise":
-            raise nonfinite_.error(rank, self._trainable[index][0])
-        nonfinite_.drop_gradients(p for _, p in self._trainable)
+            raise nonfinite_.error(rank, trainable[index][0])
+        nonfinite_.drop_gradients(p for _, p in trainable)
         self._skipped_local += 1
 
     @health.translated("the algorithm's step")
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
-        if id(optimizer) not in self._replica.replaced_steps:
-            self._replica.record_step(optimizer)  # a replaced step() counted itself when it was called
-        try:
-            self._events.after_step(optimizer)
-        finally:
-            if not shadow:
-                self._replica.run_after_step(optimizer)
+        self._core.after_step(optimizer, shadow)
 
-    def end_epoch(self, loss: Optional[float] = None) -> None:
-        """Tell the algorithm an epoch ended (schedules such as DASO's use the loss)."""
-        self._events.end_epoch(None if loss is None else float(loss))
+    def end_epoch(self, loss: Optional[float] = None, averaged: bool = False) -> None:
+        """Tell the algorithm an epoch ended (schedules such as DASO's use the loss).
 
-    def add_scaler(self, scaler) -> None:
+        Args:
+            loss: this rank's loss of the epoch, or None.
+            averaged: the loss is already the mean over the ranks (HeAT's
+                ``loss_globally_averaged``): DASO does not average it again.
+        """
+        self._core.events.end_epoch(None if loss is None else float(loss), averaged)
+
+    def add_scaler(self, scaler: Any) -> None:
         """Tell the algorithm about a ``torch.amp.GradScaler`` (DASO counts a batch whose step
         the scaler skipped at ``scaler.update()``). Call it once per scaler."""
-        self._replica.add_scaler(scaler)
+        self._core.hooks.watch_scaler(scaler)
 
     # ---- hooks ----------------------------------------------------------
     def register_comm_hook(self, *args: Any) -> Optional[RemovableHandle]:
@@ -528,41 +488,37 @@ class DataParallel(nn.Module):
     def _require_reducer(self) -> GradReducer:
         """The gradient engine; built on demand for hooks where none runs (one replica,
         one process per node under DASO, model averaging)."""
-        if not self._trainable:
+        if not self._core.replica.trainable:
             raise RuntimeError("this DataParallel has no trainable parameters, so it has no communication hooks")
-        if self._reducer is None:
-            self._build_reducer(None)
-        return self._reducer
+        if self._core.reducer is None:
+            return self._build_reducer(None)
+        return self._core.reducer
 
     # ---- state ----------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any):
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (same keys, no ``module.`` prefix),
         plus the algorithm's state under ``"_unison_algorithm"`` if it keeps any."""
         self.flush()
         state = self.module.state_dict(*args, **kwargs)
-        algorithm_state = self._events.state_dict() if self._events is not None else {}
-        if algorithm_state:
-            state[kwargs.get("prefix", "") + ALGORITHM_KEY] = {"name": self.algorithm.name, "state": algorithm_state}
+        entry = self._core.algorithm_entry() if self._core.dispatcher is not None else None
+        if entry is not None:
+            state[kwargs.get("prefix", "") + ALGORITHM_KEY] = entry
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict saved by ``state_dict()``, by the wrapped module, or by
         torch DDP (``module.`` prefix). The algorithm's state is restored when it
         was saved by the same algorithm; from another one it is refused when
         ``strict`` and ignored otherwise."""
         state = dict(state_dict)
-        algorithm_state = state.pop(ALGORITHM_KEY, None) or state.pop("module." + ALGORITHM_KEY, None)
+        entry = state.pop(ALGORITHM_KEY, None) or state.pop("module." + ALGORITHM_KEY, None)
         if state and all(k.startswith("module.") for k in state):
             state = {k[len("module.") :]: v for k, v in state.items()}
-        if algorithm_state is not None and algorithm_state["name"] != self.algorithm.name and strict:
-            raise ValueError(
-                f"the state dict holds the state of algorithm {algorithm_state['name']!r} but this model runs "
-                f"{self.algorithm.name!r}; call switch_to({algorithm_state['name']!r}) first, or load with strict=False "
-                "to keep only the weights"
-            )
+        if entry is not None and entry["name"] != self.algorithm.name and strict:
+            self._core.load_algorithm_entry(entry, strict, "model", _SWITCH_FIRST)  # raises, before any weight changes
         result = self.module.load_state_dict(state, strict=strict, assign=assign)
-        if algorithm_state is not None and algorithm_state["name"] == self.algorithm.name:
-            self._events.load_state_dict(algorithm_state["state"])
+        if entry is not None:
+            self._core.load_algorithm_entry(entry, strict, "model", _SWITCH_FIRST)
         return result
 
     @property
@@ -570,55 +526,62 @@ class DataParallel(nn.Module):
         """What this rank sent: gradient buckets plus the algorithm's own traffic (weights,
         pseudo-gradients), in total, in the last backward pass, and per optimizer step
         (per synchronized backward pass when no optimizer was given)."""
-        r = self._reducer
-        total = self._retired_bytes + (r.bytes_total if r else 0) + (self._events.bytes_sent if self._events else 0)
-        steps = self._replica.steps if self.optimizers else self._retired_steps + (r.steps if r else 0)
+        core = self._core
+        total = core.bytes_total
+        steps = core.clock.steps if self.optimizers else core.passes
         return {
             "steps": steps,
             "bytes_total": total,
-            "bytes_last_step": r.bytes_last if r else 0,
+            "bytes_last_step": core.reducer.bytes_last if core.reducer is not None else 0,
             "bytes_per_step": total / steps if steps else 0.0,
         }
 
 
-def check_bucket_cap(bucket_cap_mb: Any) -> float:
-    """``bucket_cap_mb`` if it is a positive number of MiB; ValueError otherwise."""
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-    return bucket_cap_mb
+_SWITCH_FIRST = "; call switch_to({saved}) first, or load with strict=False to keep only the weights"
 
 
-def _describe_entry(entry: tuple) -> str:
-    """How a construction-check entry reads in an error message."""
-    if entry[0] == "setting":
-        return f"setting {entry[1]}={entry[2]!r}"
-    extra = "" if entry[0] == "buffer" or entry[4] else ", frozen"
-    return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
+class _JoinHook(JoinHook):
+    """``join()``'s view of a DataParallel: the events a joined rank shadows, and the end."""
 
+    def __init__(self, model: DataParallel) -> None:
+        self.model = model
+        self.group = model.process_group
+        self.rank, self.world_size, self.tag = model.rank, model.world_size, model.serial
 
-def _weak(method):
-    """A callable that calls the bound ``method`` while its object lives (hooks must not keep
-    the wrapper alive: a discarded wrapper is then released by its finalizer)."""
-    ref = weakref.WeakMethod(method)
+    def attach(self, join: Optional[Join]) -> None:
+        if join is not None and self.model._join is not None:
+            raise RuntimeError("model.join() is already active; it cannot be nested")
+        self.model._join = join
+        if join is None:
+            self.set_divisor(None)
 
-    def call(*args: Any) -> Any:
-        target = ref()
-        return None if target is None else target(*args)
+    def shadow_step(self, index: int) -> None:
+        model = self.model
+        if index >= len(model.optimizers):
+            raise RuntimeError(f"rank {model.rank}: another rank stepped optimizer {index}, this one has {len(model.optimizers)}")
+        model._before_step(model.optimizers[index], shadow=True)
+        model._after_step(model.optimizers[index], shadow=True)
 
-    return call
+    def shadow_forward(self, grad: bool, sync: bool) -> None:
+        core = self.model._core
+        core.events.before_forward()
+        core.events.after_forward(None)
+        if grad and core.reducer is not None:
+            with torch.no_grad():
+                for _, p in core.replica.trainable:
+                    p.grad = None  # nothing to contribute: zeros go out, the average comes back
+            core.reducer.shadow_pass(sync)
 
+    def flush(self) -> None:
+        self.model.flush()
 
-def _release(replica: Replica, optimizer_hooks: list, running: list) -> None:
-    """What a wrapper leaves when it is closed or collected: no hook, no thread (no collective)."""
-    events = running[0]
-    if events is not None:
-        running[0] = None
-        events.release()
-    if replica.engine is not None:
-        replica.engine.remove()
-        replica.engine = None
-    replica.remove_hooks()
-    replica.restore_scalers()
-    for handle in optimizer_hooks:
-        handle.remove()
-    optimizer_hooks.clear()
+    def quiesce(self) -> None:
+        self.model._core.events.average()  # async's thread stops after a common round, syncs in flight land
+
+    def set_divisor(self, active: Optional[int]) -> None:
+        reducer = self.model._core.reducer
+        if reducer is not None:
+            reducer.set_divisor(active)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.model.module.parameters()) + list(self.model.module.buffers())

@@ -1,22 +1,53 @@
 """The Replica: all an algorithm may see and do of the model it keeps in agreement.
 
-DataParallel and DistributedOptimizer each build one. It holds what is trained
-(parameters, buffers, optimizers), where it talks (group, rank, world size,
-node layout, private groups), the gradient engine's narrow face, hooks that the
-wrapper owns and removes when the algorithm leaves, and the one definition of
-when a training step ends.
+DataParallel and DistributedOptimizer each build one (through their
+``unison.core.Core``). It holds what is trained (parameters, buffers,
+optimizers), where it talks (group, rank, world size, node layout, private
+groups), the gradient engine's narrow face, hooks that the wrapper owns and
+removes when the algorithm leaves, and the one definition of when a training
+step ends. Nothing on it is wrapper plumbing: the wrapper runs the hooks and the
+clock (``unison.hooks``) from its own side.
 """
 
 from __future__ import annotations
 
-import types
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import runtime
+from .engine.buckets import Bucket
+from .engine.reducer import GradReducer
+from .hooks import Hooks, StepClock, StepFn
+
+
+class Wiring(Protocol):
+    """What a wrapper gives its Replica to read: the engine running now, the bucket size,
+    the hooks and the step clock (``unison.core.Core`` is one)."""
+
+    @property
+    def reducer(self) -> Optional[GradReducer]: ...
+
+    @property
+    def bucket_cap_mb(self) -> float: ...
+
+    @property
+    def hooks(self) -> Hooks: ...
+
+    @property
+    def clock(self) -> StepClock: ...
+
+
+class Standalone:
+    """The wiring of a Replica with no wrapper (unit tests): no engine, fresh hooks and clock."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], bucket_cap_mb: float = 25) -> None:
+        self.reducer: Optional[GradReducer] = None
+        self.bucket_cap_mb = bucket_cap_mb
+        self.clock = StepClock(optimizers)
+        self.hooks = Hooks(self.clock)
 
 
 class Replica:
@@ -29,14 +60,14 @@ class Replica:
         group: the process group of the replicas (None without torch.distributed).
         tag: a name unique to the wrapper, the same on every rank; it keys
             the private groups.
+        wiring: the wrapper's side (default: none, as in a unit test).
         modules: the modules whose forwards the algorithm may hook (empty for
             an optimizer-side wrapper).
         broadcast_buffers: whether buffers follow rank 0's.
-        bucket_cap_mb: the gradient bucket size the user asked for.
 
     Example::
 
-        def after_step(self, replica, state, optimizer):
+        def after_step(self, replica: Replica, state: MyState, optimizer: torch.optim.Optimizer) -> None:
             if replica.step_ended(optimizer) and replica.steps % 16 == 0:
                 average_(replica.parameters, replica.group)
     """
@@ -48,9 +79,9 @@ class Replica:
         optimizers: list[torch.optim.Optimizer],
         group: Optional[dist.ProcessGroup],
         tag: str,
+        wiring: Optional[Wiring] = None,
         modules: Sequence[nn.Module] = (),
         broadcast_buffers: bool = True,
-        bucket_cap_mb: float = 25,
     ) -> None:
         self.named_parameters = list(named_parameters)
         self.named_buffers = list(named_buffers)
@@ -61,20 +92,7 @@ class Replica:
         self.tag = tag
         self.modules = list(modules)
         self.broadcast_buffers = broadcast_buffers
-        self.bucket_cap_mb = bucket_cap_mb
-        self.engine = None  # the GradReducer, while one runs (set by the wrapper)
-        # Training steps: one ends when every registered optimizer has stepped since the last.
-        self.steps = 0
-        self._stepped: set[int] = set()
-        self._ended_by: Optional[torch.optim.Optimizer] = None
-        # Hooks registered for the running algorithm, removed by remove_hooks().
-        self._handles: list[Any] = []
-        self._patches: list[tuple[Any, str, Any]] = []
-        self._scaler_fns: list[Callable[[Any], None]] = []
-        self._scaler_patches: list[tuple[Any, str, Any]] = []  # the wrapper's, kept until it closes
-        self._step_before: list[Callable] = []
-        self._step_after: list[Callable] = []
-        self.replaced_steps: set[int] = set()
+        self._wiring: Wiring = wiring if wiring is not None else Standalone(optimizers)
 
     # ---- what is trained ------------------------------------------------------
     @property
@@ -89,6 +107,12 @@ class Replica:
     @property
     def buffers(self) -> list[torch.Tensor]:
         return [b for _, b in self.named_buffers]
+
+    @property
+    def float_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, buffer)`` of the floating-point buffers: those averaged with the weights
+        (BatchNorm's running statistics; not its integer batch count)."""
+        return [(n, b) for n, b in self.named_buffers if b.is_floating_point()]
 
     @property
     def distributed(self) -> bool:
@@ -108,136 +132,80 @@ class Replica:
 
     # ---- the gradient engine's narrow face --------------------------------------
     @property
-    def buckets(self) -> list:
-        return self.engine.buckets if self.engine is not None else []
+    def bucket_cap_mb(self) -> float:
+        """The gradient bucket size the user asked for, in MiB."""
+        return self._wiring.bucket_cap_mb
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        engine = self._wiring.reducer
+        return engine.buckets if engine is not None else []
 
     def complete(self, buckets: Optional[Sequence[int]] = None) -> None:
         """Wait for the reductions of ``buckets`` (default: all) of the last backward."""
-        if self.engine is not None:
-            self.engine.complete(buckets)
+        engine = self._wiring.reducer
+        if engine is not None:
+            engine.complete(buckets)
 
     @property
     def in_flight(self) -> bool:
         """Whether reductions of the last backward are still unfinished."""
-        return self.engine is not None and self.engine.unfinished
+        engine = self._wiring.reducer
+        return engine is not None and engine.unfinished
 
     def bucket_of(self, param: torch.Tensor) -> Optional[int]:
         """The index of the bucket holding ``param``'s gradient (None if it has none)."""
-        return None if self.engine is None else self.engine.bucket_of(param)
+        engine = self._wiring.reducer
+        return None if engine is None else engine.bucket_of(param)
 
     @property
     def gradient_group(self) -> Optional[dist.ProcessGroup]:
         """The group the engine averages gradients over (None when no engine runs)."""
-        return None if self.engine is None else self.engine.group
+        engine = self._wiring.reducer
+        return None if engine is None else engine.group
 
     def bucket_plan(self, cap_bytes: int) -> list[list[int]]:
         """How the engine would group the gradients at ``cap_bytes`` per bucket (parameter positions)."""
-        return [] if self.engine is None else self.engine.plan(cap_bytes)
+        engine = self._wiring.reducer
+        return [] if engine is None else engine.plan(cap_bytes)
 
     def set_bucket_size(self, cap_bytes: int) -> None:
         """Re-plan the buckets at ``cap_bytes`` each (the same value on every rank)."""
-        if self.engine is not None:
-            self.engine.set_bucket_cap(cap_bytes)
+        engine = self._wiring.reducer
+        if engine is not None:
+            engine.set_bucket_cap(cap_bytes)
 
     # ---- hooks the wrapper owns ---------------------------------------------------
     def on_forward(self, module: nn.Module, fn: Callable[[], None]) -> None:
         """Call ``fn()`` before every forward of ``module``."""
-        self._handles.append(module.register_forward_pre_hook(lambda _m, _inputs: fn()))
+        self._wiring.hooks.on_forward(module, fn)
 
-    def on_optimizer_step(self, before: Optional[Callable] = None, after: Optional[Callable] = None) -> None:
+    def on_optimizer_step(self, before: Optional[StepFn] = None, after: Optional[StepFn] = None) -> None:
         """Call ``before(optimizer)`` / ``after(optimizer)`` around every registered optimizer's
         step (from the wrapper's own step hooks: ``after`` runs after the algorithm's after_step)."""
-        if before is not None:
-            self._step_before.append(before)
-        if after is not None:
-            self._step_after.append(after)
+        self._wiring.hooks.on_optimizer_step(before, after)
 
-    def run_before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The wrapper's pre-step hook calls this."""
-        for fn in list(self._step_before):
-            fn(optimizer)
-
-    def run_after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The wrapper's post-step hook calls this, last."""
-        for fn in list(self._step_after):
-            fn(optimizer)
-
-    def replace_optimizer_methods(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable) -> tuple[Callable, Callable]:
+    def replace_optimizer_methods(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], zero_grad: Callable[..., Any]
+    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """Make ``optimizer.step(closure=None)`` call ``step(optimizer, closure)`` and ``zero_grad``
         call ``zero_grad(optimizer, set_to_none)``; returns the original (step, zero_grad).
 
         A replaced step still counts as a training step (``step_ended``).
         """
-        originals = (optimizer.step, optimizer.zero_grad)
-
-        def counted_step(opt, closure=None):
-            result = step(opt, closure)
-            self.record_step(opt)
-            return result
-
-        for attr, fn in (("step", counted_step), ("zero_grad", zero_grad)):
-            _patch(self._patches, optimizer, attr, types.MethodType(fn, optimizer))
-        self.replaced_steps.add(id(optimizer))
-        return originals
+        return self._wiring.hooks.replace_optimizer_methods(optimizer, step, zero_grad)
 
     def on_scaler_update(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(scaler)`` after ``scaler.update()`` of every GradScaler given to the wrapper."""
-        self._scaler_fns.append(fn)
-
-    def add_scaler(self, scaler: Any) -> None:
-        """Watch ``scaler.update()`` (the wrapper's ``add_scaler``)."""
-        if any(s is scaler for s, _, _ in self._scaler_patches):
-            return
-        update = scaler.update
-
-        def update_and_tell(*args: Any, **kwargs: Any):
-            result = update(*args, **kwargs)
-            for fn in list(self._scaler_fns):
-                fn(scaler)
-            return result
-
-        _patch(self._scaler_patches, scaler, "update", update_and_tell)
-
-    def restore_scalers(self) -> None:
-        """Give every watched GradScaler its own ``update`` back (the wrapper is closing)."""
-        _unpatch(self._scaler_patches)
-
-    def remove_hooks(self) -> None:
-        """Remove every hook registered for the algorithm (it is leaving)."""
-        for handle in self._handles:
-            handle.remove()
-        _unpatch(self._patches)
-        self._handles, self._scaler_fns = [], []
-        self._step_before, self._step_after = [], []
-        self.replaced_steps = set()
+        self._wiring.hooks.on_scaler_update(fn)
 
     # ---- when a training step ends -------------------------------------------------
-    def record_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Note that ``optimizer`` stepped (the wrapper calls it once per step)."""
-        self._stepped.add(id(optimizer))
-        self._ended_by = None
-        if len(self._stepped) >= len(self.optimizers):
-            self._stepped.clear()
-            self.steps += 1
-            self._ended_by = optimizer
+    @property
+    def steps(self) -> int:
+        """Training steps taken (every registered optimizer stepped once more)."""
+        return self._wiring.clock.steps
 
     def step_ended(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step, just taken, completed a training step (every
         registered optimizer has stepped since the last one)."""
-        return self._ended_by is optimizer
-
-
-def _patch(patches: list, obj: Any, attr: str, value: Any) -> None:
-    """Set ``obj.attr`` on the instance, noting in ``patches`` what to restore."""
-    patches.append((obj, attr, obj.__dict__.get(attr)))
-    setattr(obj, attr, value)
-
-
-def _unpatch(patches: list) -> None:
-    """Undo ``_patch``es, newest first (an attribute that came from the class is simply removed)."""
-    for obj, attr, previous in reversed(patches):
-        if previous is None:
-            obj.__dict__.pop(attr, None)
-        else:
-            setattr(obj, attr, previous)
-    patches.clear()
+        return self._wiring.clock.ended(optimizer)

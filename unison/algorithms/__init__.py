@@ -15,7 +15,7 @@ import ast
 import importlib
 from typing import Any, Union
 
-from .base import Algorithm
+from .base import Algorithm, State
 
 _BUILTIN: dict[str, str] = {
     "allreduce": "allreduce:AllReduce",
@@ -32,7 +32,7 @@ _BUILTIN: dict[str, str] = {
     "daso": "daso:DASO",
     "diloco": "diloco:DiLoCo",
 }
-_REGISTERED: dict[str, type[Algorithm]] = {}
+_REGISTERED: dict[str, type[Algorithm[Any]]] = {}
 
 
 def names() -> list[str]:
@@ -40,13 +40,13 @@ def names() -> list[str]:
     return sorted(set(_BUILTIN) | set(_REGISTERED))
 
 
-def register(cls: type[Algorithm]) -> type[Algorithm]:
+def register(cls: type[Algorithm[Any]]) -> type[Algorithm[Any]]:
     """Make ``cls`` available to ``create`` under ``cls.name`` (usable as a decorator)."""
     _REGISTERED[cls.name] = cls
     return cls
 
 
-def get(name: str) -> type[Algorithm]:
+def get(name: str) -> type[Algorithm[Any]]:
     """The Algorithm class registered under ``name``."""
     if name in _REGISTERED:
         return _REGISTERED[name]
@@ -56,7 +56,7 @@ def get(name: str) -> type[Algorithm]:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def create(name: str, **options: Any) -> Algorithm:
+def create(name: str, **options: Any) -> Algorithm[Any]:
     """An algorithm instance by name, with its options validated.
 
     Options can also be written in the name, as on the command line:
@@ -95,7 +95,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:
+def as_algorithm(algorithm: Union[str, Algorithm[Any]]) -> Algorithm[Any]:
     """An Algorithm from a name or an instance (as DataParallel's argument takes)."""
     if isinstance(algorithm, Algorithm):
         return algorithm
@@ -104,4 +104,4 @@ def resolve(algorithm: Union[str, Algorithm]) -> Algorithm:
     raise TypeError(f"algorithm must be a name or an Algorithm, not {type(algorithm).__name__}")
 
 
-__all__ = ["Algorithm", "create", "get", "names", "register", "resolve"]
+__all__ = ["Algorithm", "State", "as_algorithm", "create", "get", "names", "register"]

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..engine import comm
+from ..engine.buckets import Bucket
+from ..engine.comm import Waitable
+from ..replica import Replica
 from .base import Algorithm, State
 from .bucket_tuner import BucketTuner
 from .options import Bool
@@ -36,6 +39,7 @@ class AllReduceState(State):
     __slots__ = ("tuner", "hierarchy")
 
     def __init__(self, tuner: Optional[BucketTuner], hierarchy: Optional["Hierarchy"]) -> None:
+        super().__init__()
         self.tuner, self.hierarchy = tuner, hierarchy
 
     @property
@@ -53,11 +57,8 @@ class AllReduceState(State):
         """Step time at the model's ``bucket_cap_mb`` over step time at the chosen size (>= 1)."""
         return None if self.tuning is None else self.tuning["gain"]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
-
-class AllReduce(Algorithm):
+class AllReduce(Algorithm[AllReduceState]):
     """Gradients averaged in buckets, one allreduce each, overlapped with backward.
 
     Args:
@@ -71,34 +72,34 @@ class AllReduce(Algorithm):
     """
 
     name = "allreduce"
-    hierarchical = Bool(False, doc="reduce in the node, allreduce across nodes, broadcast in the node")
-    autotune = Bool(False, doc="tune the bucket size online")
+    hierarchical = Bool(False)
+    autotune = Bool(False)
 
-    def setup(self, replica) -> AllReduceState:
+    def setup(self, replica: Replica) -> AllReduceState:
         super().setup(replica)
         tuner = BucketTuner(replica.bucket_cap_mb) if self.autotune else None
         hierarchy = Hierarchy(replica, "hierarchical") if self.hierarchical and replica.group is not None else None
         return AllReduceState(tuner, hierarchy)
 
-    def teardown(self, replica, state) -> None:
+    def teardown(self, replica: Replica, state: AllReduceState) -> None:
         if state.hierarchy is not None:
             state.hierarchy.thread.close()
             state.hierarchy = None
 
-    def before_forward(self, replica, state) -> None:
+    def before_forward(self, replica: Replica, state: AllReduceState) -> None:
         if state.tuner is not None and torch.is_grad_enabled():
             state.tuner.forward_started()
 
-    def after_backward(self, replica, state) -> None:
+    def after_backward(self, replica: Replica, state: AllReduceState) -> None:
         if state.tuner is not None:
             state.tuner.backward_ended(replica)
 
-    def reduce_bucket(self, replica, state, bucket, group):
+    def reduce_bucket(self, replica: Replica, state: AllReduceState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
         if state.hierarchy is not None:
             return state.hierarchy.thread.submit(state.hierarchy.reduce, bucket.flat)
         return super().reduce_bucket(replica, state, bucket, group)
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size):
+    def bucket_wire_bytes(self, replica: Replica, state: AllReduceState, bucket: Bucket, world_size: int) -> int:
         if state.hierarchy is not None:
             return state.hierarchy.wire_bytes(bucket.nbytes)
         return super().bucket_wire_bytes(replica, state, bucket, world_size)

@@ -14,8 +14,10 @@ import threading
 import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
+from ..replica import Replica
 from ..runtime import collective_timeout
 from .averaging_thread import AveragingThread
 from .base import Algorithm
@@ -30,10 +32,10 @@ class AsyncState(CountedState):
     """The averaging thread, the lock every optimizer step holds, and the counters
     ``steps``, ``rounds`` and ``bytes_sent`` (what checkpoints keep)."""
 
-    __slots__ = ("count", "params", "group", "interval", "timeout", "lock", "held", "thread", "failure", "may_run", "broken", "rounds")
+    __slots__ = ("params", "group", "interval", "timeout", "lock", "held", "thread", "failure", "may_run", "broken", "rounds")
 
     def __init__(self, params=(), group: Optional[dist.ProcessGroup] = None, interval_s: float = 0.05, warmup_steps: int = 0) -> None:
-        self.count = StepCount(1, warmup_steps)
+        super().__init__(StepCount(1, warmup_steps))
         self.params = list(params)  # the trainable parameters the thread averages
         self.group = group  # the thread's private group; None: nothing to average
         self.interval, self.timeout = interval_s, collective_timeout() or DEFAULT_TIMEOUT
@@ -91,7 +93,7 @@ class AsyncState(CountedState):
         self.count.steps, self.rounds, self.bytes_sent = (int(state[k]) for k in ("steps", "rounds", "bytes_sent"))
 
 
-class AsyncModelAverage(Algorithm):
+class AsyncModelAverage(Algorithm[AsyncState]):
     """Parameters averaged by a background thread every ``sync_interval_ms`` while training goes on locally.
 
     Args:
@@ -106,14 +108,14 @@ class AsyncModelAverage(Algorithm):
     name = "async"
     replicas_drift = True
     needs_optimizers = True
-    sync_interval_ms = Number(50.0, doc="milliseconds between two averaging rounds")
-    warmup_steps = Int(0, minimum=0, what="an integer of at least 0", doc="steps of synchronous gradient averaging first")
+    sync_interval_ms = Number(50.0)
+    warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
 
     @property
     def reduces_gradients(self) -> bool:  # the gradient engine runs for the warm-up only
         return self.warmup_steps > 0
 
-    def setup(self, replica) -> AsyncState:
+    def setup(self, replica: Replica) -> AsyncState:
         super().setup(replica)
         if not replica.modules:
             raise ValueError("'async' averages a model's parameters: wrap the model with unison.DataParallel")
@@ -124,7 +126,7 @@ class AsyncModelAverage(Algorithm):
             replica.on_optimizer_step(before=lambda _o: state.hold(), after=lambda _o: state.let_go())
         return state
 
-    def teardown(self, replica, state) -> None:
+    def teardown(self, replica: Replica, state: AsyncState) -> None:
         """Stop the thread for good (the other ranks' stop at the same round)."""
         state.collect(stop=True)
         state.may_run = False
@@ -132,20 +134,20 @@ class AsyncModelAverage(Algorithm):
             warnings.warn(f"'async' was torn down with an unreported error from its averaging thread:\n{state.failure[1]}", stacklevel=2)
             state.failure = None
 
-    def release(self, replica, state) -> None:
+    def release(self, replica: Replica, state: AsyncState) -> None:
         """Ask the thread to stop at its next round, without waiting (the model is gone)."""
         state.may_run = False
         if state.thread is not None:
             state.thread.stopping.set()
 
-    def sync_gradients(self, replica, state) -> bool:
+    def sync_gradients(self, replica: Replica, state: AsyncState) -> bool:
         return state.count.warming_up
 
-    def before_forward(self, replica, state) -> None:
+    def before_forward(self, replica: Replica, state: AsyncState) -> None:
         state.let_go()  # a step that raised may have kept the lock
         state.report()
 
-    def after_step(self, replica, state, optimizer) -> None:
+    def after_step(self, replica: Replica, state: AsyncState, optimizer: torch.optim.Optimizer) -> None:
         """Count the step, raise the thread's error, start the thread once the warm-up is over."""
         if not state.count.tick(replica, optimizer):
             return
@@ -153,7 +155,7 @@ class AsyncModelAverage(Algorithm):
         if state.may_run and not state.broken and state.thread is None and not state.count.warming_up:
             state.thread = AveragingThread(state)
 
-    def average(self, replica, state) -> None:
+    def average(self, replica: Replica, state: AsyncState) -> None:
         """Stop every rank's thread after one common round; the next step starts it again."""
         state.collect(stop=True)
         state.report()

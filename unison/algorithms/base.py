@@ -9,39 +9,28 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..engine import comm
+from ..engine.buckets import Bucket
+from ..replica import Replica
 from . import options as opts
+from .state import State, ThreadedState
+
+__all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
 
 
-class State:
-    """Base of an algorithm's per-model state: what ``setup`` returns.
-
-    Subclasses declare their slots in one place (``__slots__`` or a dataclass)
-    and list in ``saved`` the attributes that ``state_dict`` keeps.
-    """
-
-    saved: ClassVar[tuple[str, ...]] = ()
-    #: Bytes the algorithm sent itself (weights, pseudo-gradients), apart from gradient buckets.
-    bytes_sent: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.saved}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = sorted(set(state) - set(self.saved))
-        if unknown:
-            raise ValueError(f"{type(self).__name__} does not keep {unknown}; it keeps {list(self.saved)}")
-        for name, value in state.items():
-            setattr(self, name, value)
+S = TypeVar("S", bound=Optional[State])
 
 
-class Algorithm:
+class Algorithm(Generic[S]):
     """Base class: subclasses set ``name``, declare options and override the events they need.
+
+    ``S`` is the type of the state ``setup`` builds (None for an algorithm that keeps none);
+    every event receives the ``Replica`` and that state.
 
     Args:
         **options: the algorithm's options (see each algorithm's docstring);
@@ -50,17 +39,18 @@ class Algorithm:
 
     Example::
 
-        class Halve(Algorithm):
+        class Halve(Algorithm[None]):
             name = "halve"
             factor = options.Number(0.5)
 
-            def grad_scale(self, replica, state, world_size):
+            def grad_scale(self, replica: Replica, state: None, world_size: int) -> float:
                 return self.factor / world_size
     """
 
     name: ClassVar[str] = "base"
     #: Every option with its default (filled in for each subclass from its declarations).
     defaults: ClassVar[dict[str, Any]] = {}
+    options_declared: ClassVar[dict[str, opts.Option]] = {}
     #: Whether the wrapper runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
     #: Whether replicas train on local gradients between syncs (model averaging):
@@ -78,7 +68,7 @@ class Algorithm:
         cls.defaults = {name: o.default for name, o in cls.options_declared.items()}
 
     def __init__(self, **options: Any) -> None:
-        self._values, self._written = opts.resolve(self.name, type(self).options_declared, options)
+        self._values, self._written = opts.check_given(self.name, type(self).options_declared, options)
         self.validate()
 
     @property
@@ -97,48 +87,50 @@ class Algorithm:
         return self.describe()
 
     # ---- set-up -------------------------------------------------------------
-    def setup(self, replica) -> Optional[State]:
+    def setup(self, replica: Replica) -> S:
         """Construction (and after a switch): build the per-model state."""
+        self.check_optimizers(replica)
+        return None  # type: ignore[return-value]  # an algorithm with a state overrides setup
+
+    def check_optimizers(self, replica: Replica) -> None:
+        """Refuse a model given no optimizer when the algorithm acts after optimizer steps."""
         if self.needs_optimizers and not replica.optimizers:
             raise ValueError(
                 f"{self.name!r} acts after each optimizer step, so it needs the optimizer(s): "
                 f"DataParallel(module, optimizer=opt, algorithm={self.name!r})"
             )
-        return None
 
-    def teardown(self, replica, state) -> None:
+    def teardown(self, replica: Replica, state: S) -> None:
         """The model stops using this algorithm: release threads (hooks are removed by the wrapper)."""
-        thread = getattr(state, "thread", None)
-        if thread is not None:
-            thread.close()
-            state.thread = None
+        if state is not None:
+            state.close()
 
-    def release(self, replica, state) -> None:
+    def release(self, replica: Replica, state: S) -> None:
         """The wrapper was garbage-collected without ``close()``: stop threads without any
         collective (other ranks may not be releasing now)."""
         self.teardown(replica, state)
 
     # ---- forward -------------------------------------------------------------
-    def before_forward(self, replica, state) -> None:
+    def before_forward(self, replica: Replica, state: S) -> None:
         """Before every forward of the wrapped module."""
 
-    def after_forward(self, replica, state, output) -> None:
+    def after_forward(self, replica: Replica, state: S, output: Any) -> None:
         """After every forward of the wrapped module, with its output."""
 
     # ---- the gradient engine's questions --------------------------------------
-    def gradient_group(self, replica, state) -> Optional[dist.ProcessGroup]:
+    def gradient_group(self, replica: Replica, state: S) -> Optional[dist.ProcessGroup]:
         """The process group gradients are averaged over (DASO: the node)."""
         return replica.group
 
-    def sync_gradients(self, replica, state) -> bool:
+    def sync_gradients(self, replica: Replica, state: S) -> bool:
         """Whether the backward pass about to run averages gradients (asked once per pass)."""
         return True
 
-    def grad_scale(self, replica, state, world_size: int) -> float:
+    def grad_scale(self, replica: Replica, state: S, world_size: int) -> float:
         """Factor applied to local gradients as they are copied into buckets."""
         return 1.0 / world_size
 
-    def reduce_bucket(self, replica, state, bucket, group: Optional[dist.ProcessGroup]):
+    def reduce_bucket(self, replica: Replica, state: S, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> comm.Waitable:
         """Start reducing ``bucket.flat`` in place; return something with ``wait()``.
 
         The default is one asynchronous allreduce (the gradients were scaled by
@@ -146,25 +138,26 @@ class Algorithm:
         """
         return comm.start(dist.all_reduce, bucket.flat, group=group)
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, replica: Replica, state: S, bucket: Bucket, world_size: int) -> int:
         """Bytes this rank sends for one bucket (a ring allreduce)."""
         return comm.ring_bytes(bucket.nbytes, world_size)
 
-    def after_backward(self, replica, state) -> None:
+    def after_backward(self, replica: Replica, state: S) -> None:
         """After a synchronized backward, once every bucket is reduced."""
 
     # ---- step, epoch, end ---------------------------------------------------------
-    def after_step(self, replica, state, optimizer: torch.optim.Optimizer) -> None:
+    def after_step(self, replica: Replica, state: S, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()`` of a registered optimizer (``replica.step_ended`` says
         whether it completed a training step)."""
 
-    def end_epoch(self, replica, state, loss: Optional[float]) -> None:
-        """At the end of an epoch, with the epoch's loss if the user gives one."""
+    def end_epoch(self, replica: Replica, state: S, loss: Optional[float], averaged: bool) -> None:
+        """At the end of an epoch, with the epoch's loss if the user gives one (``averaged``:
+        it is already the mean over the ranks)."""
 
-    def flush(self, replica, state) -> None:
+    def flush(self, replica: Replica, state: S) -> None:
         """Finish this rank's pending work (local: no new collective), before a switch or a checkpoint."""
 
-    def average(self, replica, state) -> None:
+    def average(self, replica: Replica, state: S) -> None:
         """Make every replica identical now (a collective: every rank calls it).
 
         Algorithms whose replicas drift apart between syncs override it to
@@ -172,7 +165,7 @@ class Algorithm:
         """
 
 
-def open_thread(replica, name: str, group=None):
+def open_thread(replica: Replica, name: str, group: Optional[dist.ProcessGroup] = None) -> tuple[Optional[dist.ProcessGroup], comm.CommThread]:
     """A private process group and a CommThread for reductions of several dependent
-    collectives (``(group, thread)``); ``Algorithm.teardown`` closes a ``state.thread``."""
+    collectives (``(group, thread)``, for a ``ThreadedState``)."""
     return replica.private_group(name, group), comm.CommThread(f"unison-{name}")

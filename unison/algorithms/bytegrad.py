@@ -16,9 +16,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..engine.buckets import Bucket
 from ..engine.codecs import MinMax8
+from ..engine.comm import CommThread, Waitable
 from ..engine.flatstate import FlatState
-from .base import Algorithm, State, open_thread
+from ..replica import Replica
+from .base import Algorithm, ThreadedState, open_thread
 from .options import Bool, Int
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only that one.
@@ -102,13 +105,17 @@ def bucket_exchange(cache: dict, bucket, world: int, chunk_size: int) -> Exchang
     return ex
 
 
-class ByteGradState(State):
+class ByteGradState(ThreadedState):
     """Error-feedback residuals (with ``error_feedback``), the buckets' Exchanges, group and thread."""
 
-    __slots__ = ("residuals", "exchanges", "group", "thread")
+    __slots__ = ("residuals", "exchanges")
 
-    def __init__(self, residuals: Optional[FlatState], group=None, thread=None) -> None:
-        self.residuals, self.exchanges, self.group, self.thread = residuals, {}, group, thread
+    def __init__(
+        self, residuals: Optional[FlatState], group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
+    ) -> None:
+        super().__init__(group, thread)
+        self.residuals: Optional[FlatState] = residuals
+        self.exchanges: dict[Any, Exchange] = {}
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals by parameter name (nothing without error feedback)."""
@@ -126,7 +133,7 @@ class ByteGradState(State):
         self.residuals.load_state_dict(state["residuals"])
 
 
-class ByteGrad(Algorithm):
+class ByteGrad(Algorithm[ByteGradState]):
     """8-bit compressed averaging: all_to_all of quantized parts, sum, all_gather of quantized sums.
 
     Args:
@@ -141,16 +148,16 @@ class ByteGrad(Algorithm):
     """
 
     name = "bytegrad"
-    chunk_size = Int(1024, doc="values per quantization chunk")
-    error_feedback = Bool(False, doc="carry each rank's quantization error to the next step")
+    chunk_size = Int(1024)
+    error_feedback = Bool(False)
 
-    def setup(self, replica) -> ByteGradState:
+    def setup(self, replica: Replica) -> ByteGradState:
         state = ByteGradState(FlatState() if self.error_feedback else None)
         if replica.distributed:
             state.group, state.thread = open_thread(replica, self.name)
         return state
 
-    def reduce_bucket(self, replica, state, bucket, group):
+    def reduce_bucket(self, replica: Replica, state: ByteGradState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
         world = dist.get_world_size(group)
         if world == 1 or bucket.flat.numel() == 0:
             return None
@@ -160,5 +167,5 @@ class ByteGrad(Algorithm):
         ex = bucket_exchange(state.exchanges, bucket, world, self.chunk_size)
         return state.thread.submit(ex.run, bucket.flat, state.group, residual)
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, replica: Replica, state: ByteGradState, bucket: Bucket, world_size: int) -> int:
         return wire_bytes_8bit(bucket.flat.numel(), world_size, self.chunk_size)

@@ -8,12 +8,14 @@ own bf16 hook refuses to run.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..engine.comm import ring_bytes, start
+from ..engine.buckets import Bucket
+from ..engine.comm import Waitable, ring_bytes, start
+from ..replica import Replica
 from .base import Algorithm, State
 
 
@@ -23,13 +25,11 @@ class CastState(State):
     __slots__ = ("wire",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.wire: dict[int, torch.Tensor] = {}
 
-    def state_dict(self) -> dict:
-        return {}
 
-
-class CastAllReduce(Algorithm):
+class CastAllReduce(Algorithm[CastState]):
     """Allreduce of a bucket cast to ``wire_dtype``; half the bytes of fp32.
 
     Example::
@@ -39,7 +39,7 @@ class CastAllReduce(Algorithm):
 
     wire_dtype: ClassVar[torch.dtype]
 
-    def setup(self, replica) -> CastState:
+    def setup(self, replica: Replica) -> CastState:
         return CastState()
 
     def _wire_buffer(self, state: CastState, bucket) -> torch.Tensor:
@@ -48,7 +48,7 @@ class CastAllReduce(Algorithm):
             buf = state.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
         return buf
 
-    def reduce_bucket(self, replica, state, bucket, group):
+    def reduce_bucket(self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
         wire = self._wire_buffer(state, bucket)
@@ -57,7 +57,7 @@ class CastAllReduce(Algorithm):
         flat = bucket.flat
         return future.then(lambda _: flat.copy_(wire))
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size):
+    def bucket_wire_bytes(self, replica: Replica, state: CastState, bucket: Bucket, world_size: int) -> int:
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 

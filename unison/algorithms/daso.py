@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from ..engine.codecs import WIRE_DTYPES, wire_dtype
+from ..replica import Replica
 from .base import Algorithm, State
 from .daso_schedule import Schedule
 from .daso_transport import Transport
@@ -23,33 +24,19 @@ from .options import Bool, Choice, Int, Number, Option
 class DASOState(State):
     """DASO's schedule and transport for one model.
 
-    The schedule's counters read as attributes: ``epoch``, ``batch`` (in the
-    epoch), ``batches``, ``global_skip``, ``local_skip``, ``batches_to_wait``,
-    ``pending_sync`` (the sync in flight), ``syncs_sent``, ``syncs_received``,
-    ``syncs_blocking``, ``plateau_bad``; ``bytes_sent`` is what this rank sent.
+    ``schedule`` holds the counters (``epoch``, ``batch`` in the epoch,
+    ``batches``, ``global_skip``, ``local_skip``, ``batches_to_wait``,
+    ``pending_sync``, ``syncs_sent``, ``syncs_received``, ``syncs_blocking``,
+    ``plateau_bad``); ``bytes_sent`` is what this rank sent.
     """
 
-    __slots__ = ("schedule", "transport", "batch_ended", "_owner")
+    __slots__ = ("schedule", "transport", "batch_ended")
 
-    def __init__(self, algorithm: "DASO", replica, schedule: Schedule, transport: Transport) -> None:
+    def __init__(self, schedule: Schedule, transport: Transport) -> None:
+        super().__init__()
         self.schedule, self.transport = schedule, transport
+        transport.meter = self
         self.batch_ended = False  # a batch ended since the last forward or scaler.update()
-        self._owner = (algorithm, replica)  # for epoch_loss_logic
-
-    def __getattr__(self, name: str) -> Any:
-        if name in Schedule.__slots__:
-            return getattr(self.schedule, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.transport.bytes_sent
-
-    def epoch_loss_logic(self, loss, loss_globally_averaged: bool = False) -> None:
-        """HeAT's call: end the epoch (every rank calls it); ``loss_globally_averaged``
-        says ``loss`` is already the average over the ranks (it is not averaged again)."""
-        algorithm, replica = self._owner
-        algorithm._end_epoch(replica, self, loss, loss_globally_averaged)
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batch counters, skips, rotation, plateau tracking, and the sync in flight
@@ -61,7 +48,7 @@ class DASOState(State):
         self.transport.load_state_dict(state)
 
 
-class DASO(Algorithm):
+class DASO(Algorithm[DASOState]):
     """Node-local gradient averaging every step, stale inter-node weight averaging in rotation.
 
     Args:
@@ -89,18 +76,18 @@ class DASO(Algorithm):
     name = "daso"
     replicas_drift = True
     needs_optimizers = True
-    total_epochs = Int(None, optional=True, doc="epochs of training (None: unknown, no cool-down)")
-    warmup_epochs = Int(4, minimum=0, doc="blocking epochs first")
-    cooldown_epochs = Int(4, minimum=0, doc="blocking epochs last (with total_epochs)")
-    scheduler = Option(None, doc="must be None: the training loop steps its schedulers")
-    stability_level = Number(0.05, low=0.0, open_low=False, high=1.0, doc="relative loss improvement that is not a plateau")
-    max_global_skips = Int(8, doc="the most batches between two global syncs")
-    sending_chunk_size = Int(10_000_000, doc="elements per collective of a global sync")
-    downcast_type = Choice("bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=wire_dtype, doc="wire dtype of global syncs")
-    use_mpi_groups = Bool(True, doc="no effect (HeAT's option)")
-    skip_reduction_factor = Int(2, minimum=2, doc="divides the skips when the loss plateaus")
-    local_skip_factor = Int(4, doc="max_global_skips // local_skip_factor: the local skip after a reset")
-    verbose = Bool(False, doc="print the schedule on rank 0 at every epoch end")
+    total_epochs = Int(None, optional=True)
+    warmup_epochs = Int(4, minimum=0)
+    cooldown_epochs = Int(4, minimum=0)
+    scheduler = Option(None)
+    stability_level = Number(0.05, low=0.0, open_low=False, high=1.0)
+    max_global_skips = Int(8)
+    sending_chunk_size = Int(10_000_000)
+    downcast_type = Choice("bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=wire_dtype)
+    use_mpi_groups = Bool(True)
+    skip_reduction_factor = Int(2, minimum=2)
+    local_skip_factor = Int(4)
+    verbose = Bool(False)
 
     def validate(self) -> None:
         if self.scheduler is not None:
@@ -109,7 +96,7 @@ class DASO(Algorithm):
                 "in your training loop as usual (optimizer.step() still drives DASO)"
             )
 
-    def setup(self, replica) -> DASOState:
+    def setup(self, replica: Replica) -> DASOState:
         super().setup(replica)
         wire = None if self.downcast_type == torch.float32 else self.downcast_type
         transport = Transport.build(replica, wire, self.sending_chunk_size)
@@ -117,30 +104,30 @@ class DASO(Algorithm):
             self.warmup_epochs, self.cooldown_epochs, self.total_epochs, self.max_global_skips, self.skip_reduction_factor,
             self.local_skip_factor, self.stability_level, transport.local_size, transport.nodes,
         )
-        state = DASOState(self, replica, schedule, transport)
+        state = DASOState(schedule, transport)
         replica.on_scaler_update(lambda scaler: self._scaler_updated(state))
         return state
 
-    def teardown(self, replica, state: DASOState) -> None:
+    def teardown(self, replica: Replica, state: DASOState) -> None:
         """Let a sync in flight finish (no new collective)."""
         state.transport.drop()
         super().teardown(replica, state)
 
-    def release(self, replica, state: DASOState) -> None:
+    def release(self, replica: Replica, state: DASOState) -> None:
         state.transport.inflight = None  # no waiting: the peers may be gone
 
-    def gradient_group(self, replica, state: DASOState):
+    def gradient_group(self, replica: Replica, state: DASOState) -> None:
         """The node: gradients are averaged inside it only (None with one process per node)."""
         return state.transport.grad_group
 
-    def sync_gradients(self, replica, state: DASOState) -> bool:
+    def sync_gradients(self, replica: Replica, state: DASOState) -> bool:
         return state.schedule.sync_gradients()
 
     # ---- batches ------------------------------------------------------------
-    def before_forward(self, replica, state: DASOState) -> None:
+    def before_forward(self, replica: Replica, state: DASOState) -> None:
         state.batch_ended = False
 
-    def after_step(self, replica, state: DASOState, optimizer) -> None:
+    def after_step(self, replica: Replica, state: DASOState, optimizer: torch.optim.Optimizer) -> None:
         """The batch ends once every registered optimizer has stepped."""
         if replica.step_ended(optimizer):
             self._end_batch(state)
@@ -164,12 +151,9 @@ class DASO(Algorithm):
             transport.start()
 
     # ---- epochs, final sync -------------------------------------------------
-    def end_epoch(self, replica, state: DASOState, loss: Optional[float]) -> None:
-        """``model.end_epoch(loss)``: HeAT's ``epoch_loss_logic``."""
-        self._end_epoch(replica, state, loss, False)
-
-    def _end_epoch(self, replica, state: DASOState, loss, averaged: bool) -> None:
-        """End the epoch (every rank): average the loss, resync if cycling, set the next skips."""
+    def end_epoch(self, replica: Replica, state: DASOState, loss: Optional[float], averaged: bool) -> None:
+        """``model.end_epoch(loss, averaged)``, HeAT's ``epoch_loss_logic``: end the epoch (every rank),
+        average the loss (unless ``averaged``), resync if cycling, set the next skips."""
         value = None if loss is None else float(loss)
         mean = value if averaged else state.transport.mean_loss(value, replica.group)
         k = state.schedule.end_epoch(mean)
@@ -184,7 +168,7 @@ class DASO(Algorithm):
                 flush=True,
             )
 
-    def average(self, replica, state: DASOState) -> None:
+    def average(self, replica: Replica, state: DASOState) -> None:
         """Every rank drops its sync in flight (after it completes); DataParallel then averages all weights."""
         state.transport.drop()
         state.transport.anchor = None

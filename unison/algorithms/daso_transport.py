@@ -3,8 +3,7 @@
 Gradients are averaged over a private copy of the node's group. Weights travel over one inter-node
 group at a time (the processes of one local rank on every node), as differences from the last average
 that group agreed on (the "anchor"), in the wire dtype; the member then broadcasts them in its node.
-Syncs travel in flat buffers kept between syncs, cast slice by slice through a small scratch: fresh
-allocations and mixed-dtype ops cost the training core far more. See docs/algorithms.md#daso.
+Syncs travel in flat buffers, cast slice by slice through a small scratch. See docs/algorithms.md#daso.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import comm
+from .state import State
 
 SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch stays in cache)
 
@@ -59,7 +59,7 @@ class Transport:
 
     __slots__ = (
         "params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
-        "inflight", "relative", "anchor", "bytes_sent", "buffers",
+        "inflight", "relative", "anchor", "meter", "buffers",
     )
 
     def __init__(
@@ -73,7 +73,7 @@ class Transport:
         self.inflight: Any = None  # this rank's sync in flight (something with wait())
         self.relative = False  # whether it carries differences from the anchor
         self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
-        self.bytes_sent, self.buffers = 0, {}  # buffers: the wire dtype's (Transport.flat)
+        self.meter, self.buffers = State(), {}  # meter counts bytes sent (DASO's state); buffers: Transport.flat
 
     @classmethod
     def build(cls, replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
@@ -125,7 +125,7 @@ class Transport:
         works = [comm.start(dist.all_reduce, part, group=self.inter) for part in parts]
         sent = sum(comm.ring_bytes(part.numel() * part.element_size(), world) for part in parts)
         self.inflight, self.relative = Sync(works, views), relative
-        self.bytes_sent += sent
+        self.meter.bytes_sent += sent
 
     def finish(self) -> list[torch.Tensor]:
         """The group's average from the sync in flight; it becomes the group's new anchor."""
@@ -169,7 +169,7 @@ class Transport:
             return
         comm.AsyncBroadcast(self.params, self.intra, source=local_rank).finish()
         if self.local_rank == local_rank:
-            self.bytes_sent += (self.local_size - 1) * sum(p.numel() * p.element_size() for p in self.params)
+            self.meter.bytes_sent += (self.local_size - 1) * sum(p.numel() * p.element_size() for p in self.params)
 
     def mean_loss(self, loss: Optional[float], group) -> Optional[float]:
         """The epoch's loss averaged over ``group``'s ranks that gave one (None if none did)."""
@@ -177,7 +177,7 @@ class Transport:
             return loss
         t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
         dist.all_reduce(t, group=group)
-        self.bytes_sent += comm.ring_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
+        self.meter.bytes_sent += comm.ring_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
         return t[0].item() / t[1].item() if t[1].item() > 0 else None
 
     # ---- state ------------------------------------------------------------

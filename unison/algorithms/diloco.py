@@ -24,25 +24,30 @@ from torch import nn
 
 from ..engine.averaging import average_async
 from ..engine.codecs import WIRE_DTYPES
-from ..engine.comm import Finished
-from .base import Algorithm
+from ..engine.comm import Finished, Waitable
+from ..replica import Replica
 from .options import Bool, Choice, Int, Number
-from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
+from .periodic import StepCount
+from .streamed import Streamed, StreamedState
+from .streaming import Stagger, default_schedule, fragments_of
 
 
-class DiLoCoState(CountedState):
+class DiLoCoState(StreamedState):
     """The outer optimizer and the snapshot it steps (the reference weights, one piece per
     fragment's share of a parameter), the step count, and the syncs in flight."""
 
-    __slots__ = ("count", "names", "params", "buffers", "snapshot", "outer", "group", "fragments", "streams", "feedback")
+    __slots__ = ("names", "params", "buffers", "snapshot", "outer", "group", "fragments", "feedback")
 
-    def __init__(self, count: StepCount, fragments: list, buffers: list[torch.Tensor], outer: dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
-        self.count = count
+    def __init__(
+        self, count: StepCount, fragments: list[list[tuple[str, torch.Tensor]]], buffers: list[torch.Tensor],
+        outer: dict[str, Any], group: Optional[dist.ProcessGroup],
+    ) -> None:
+        super().__init__(count)
         pieces = [piece for fragment in fragments for piece in fragment]
         self.names = [n for n, _ in pieces]
         self.params = [p for _, p in pieces]
-        self.fragments, first = [], 0  # per fragment, the indices of its pieces
+        self.fragments: list[range] = []  # per fragment, the indices of its pieces
+        first = 0
         for fragment in fragments:
             self.fragments.append(range(first, first + len(fragment)))
             first += len(fragment)
@@ -51,7 +56,6 @@ class DiLoCoState(CountedState):
             self.snapshot = [nn.Parameter(p.detach().clone()) for p in self.params]
         self.outer = torch.optim.SGD(self.snapshot, **outer)
         self.group = group  # None: one process, the average is the replica itself
-        self.streams: Optional[Streams] = None
         self.feedback: dict[int, torch.Tensor] = {}  # int8 wire: per fragment, the quantization error carried
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,7 +64,7 @@ class DiLoCoState(CountedState):
             "steps": self.steps,
             "snapshot": {n: s.detach().clone() for n, s in zip(self.names, self.snapshot)},
             "outer_optimizer": self.outer.state_dict(),
-            "in_flight": self.streams.state_dict(),
+            "in_flight": self.streams.state_dict() if self.streams else [],
             **feedback,
         }
 
@@ -72,7 +76,8 @@ class DiLoCoState(CountedState):
         missing = [n for n in self.names if n not in state["snapshot"]]
         if missing:
             raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
-        self.streams.load_state_dict(state.get("in_flight", []))
+        if self.streams:
+            self.streams.load_state_dict(state.get("in_flight", []))
         self.feedback = {int(f): e.clone() for f, e in state.get("feedback", {}).items()}
         self.count.load_state_dict(state)
         with torch.no_grad():
@@ -84,7 +89,7 @@ class DiLoCoState(CountedState):
             group.update(values)
 
 
-class DiLoCo(Streamed, Algorithm):
+class DiLoCo(Streamed[DiLoCoState]):
     """Local training with an outer Nesterov step on the averaged pseudo-gradient every ``period`` steps.
 
     Args:
@@ -94,10 +99,8 @@ class DiLoCo(Streamed, Algorithm):
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"``, ``"fp16"``, or
             ``"int8"`` (8-bit min-max codes with error feedback) for the pseudo-gradients.
-        fragments: how many fragments sync in turn across the period (streaming
-            DiLoCo; default ``min(4, period)``, 1 with ``overlap``).
-        delay: inner steps a fragment's average travels before its outer step is
-            merged (default ``period // fragments // 2``; 0 blocks).
+        fragments, delay: how the outer syncs are streamed (streaming DiLoCo; see
+            ``streamed.Streamed``); ``fragments`` defaults to 1 with ``overlap``.
         mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
             (the paper's alpha); None keeps the local steps taken meanwhile instead
             (``outer + local - local_at_launch``).
@@ -113,60 +116,61 @@ class DiLoCo(Streamed, Algorithm):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
-    period = Int(16, aliases=("inner_steps",), doc="inner steps between two outer steps")
-    outer_lr = Number(0.7, doc="the outer SGD's learning rate")
-    outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0, doc="the outer SGD's momentum")
-    nesterov = Bool(True, doc="Nesterov outer momentum")
-    wire_dtype = Choice("fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None, doc="wire format of the pseudo-gradients")
-    fragments = Int(None, optional=True, doc="fragments synced in turn across the period (None: min(4, period))")
-    delay = Int(None, minimum=0, optional=True, doc="inner steps an average travels before it is merged (None: period // fragments // 2)")
-    mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True, doc="weight of the local weights at a late merge (None: keep the local steps)")
-    overlap = Bool(False, doc="the same as delay=1")
+    period = Int(16, aliases=("inner_steps",))
+    outer_lr = Number(0.7)
+    outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0)
+    nesterov = Bool(True)
+    wire_dtype = Choice("fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None)
+    mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True)
+    overlap = Bool(False)
 
     def validate(self) -> None:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0; set nesterov=False for plain outer SGD")
         if self.overlap and self.delay not in (None, 1):
             raise ValueError(f"overlap=True means delay=1, but delay={self.delay} was given: give only delay")
-        fragments = 1 if self.overlap and self.fragments is None else self.fragments
-        self.stagger = resolve(self.period, fragments, 1 if self.overlap else self.delay)  # refuses fragments > period, delay >= period
+        super().validate()
 
-    def setup(self, replica) -> DiLoCoState:
-        super().setup(replica)
-        buffers = [b for b in replica.buffers if b.is_floating_point()] if replica.broadcast_buffers else []
+    def schedule(self) -> Stagger:
+        """Streamed's, where ``overlap`` means one fragment (unless given) and a delay of 1."""
+        fragments = 1 if self.overlap and self.fragments is None else self.fragments
+        return default_schedule(self.period, fragments, 1 if self.overlap else self.delay)
+
+    def setup(self, replica: Replica) -> DiLoCoState:
+        self.check_optimizers(replica)
+        buffers = [b for _, b in replica.float_buffers] if replica.broadcast_buffers else []
         group = replica.private_group("diloco") if replica.distributed else None
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
-        state = DiLoCoState(StepCount(self.period), fragments_of(replica.trainable, self.stagger.fragments), buffers, outer, group)
-        stagger = Stagger(self.period, len(state.fragments), self.stagger.delay)
-        state.streams = Streams(stagger, lambda f: self._launch(state, f), lambda f, avg, at: self._merge(state, f, avg, at))
+        fragments = fragments_of(replica.trainable, self.schedule().fragments)
+        state = DiLoCoState(StepCount(self.period), fragments, buffers, outer, group)
+        self.stream(replica, state, len(state.fragments))
         return state
-
-    def after_step(self, replica, state, optimizer) -> None:
-        """Count an inner step; merge the outer steps due; launch the fragments due."""
-        if state.count.tick(replica, optimizer):
-            state.streams.advance(state.count.steps)
 
     def _tensors(self, state: DiLoCoState, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Fragment ``f``'s parameter pieces and buffers (the last fragment carries the buffers)."""
         return [state.params[i] for i in state.fragments[f]], state.buffers if f == len(state.fragments) - 1 else []
 
-    def _launch(self, state: DiLoCoState, f: int):
-        """Start averaging fragment ``f``'s pseudo-gradients (and buffers); keep its weights if merged late."""
+    def launch(self, replica: Replica, state: DiLoCoState, fragment: int) -> tuple[Waitable, Any]:
+        """Start averaging ``fragment``'s pseudo-gradients (and buffers); keep its weights if merged late."""
+        f = fragment
         params, buffers = self._tensors(state, f)
         with torch.no_grad():
             tensors = [state.snapshot[i] - p for i, p in zip(state.fragments[f], params)] + buffers
-            at_launch = [t.detach().clone() for t in params + buffers] if self.stagger.delay and self.mixing is None else None
+            keep = state.late and self.mixing is None
+            at_launch = [t.detach().clone() for t in params + buffers] if keep else None
+            pending: Waitable
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
                 numel = sum(t.numel() for t in tensors) if self.wire_dtype == "int8" else 0
                 feedback = state.feedback.setdefault(f, torch.zeros(numel, device=tensors[0].device)) if numel else None
                 pending = average_async(tensors, state.group, self.wire_dtype, feedback)
-        state.bytes_sent += pending.wire_bytes
+        state.bytes_sent += pending.wire_bytes  # type: ignore[attr-defined]
         return pending, at_launch
 
-    def _merge(self, state: DiLoCoState, f: int, averaged: list[torch.Tensor], at_launch) -> None:
-        """Step the outer optimizer on fragment ``f``'s averaged pseudo-gradient and write the result into the model."""
+    def merge(self, replica: Replica, state: DiLoCoState, fragment: int, result: Any, extra: Any) -> None:
+        """Step the outer optimizer on ``fragment``'s averaged pseudo-gradient and write the result into the model."""
+        f, averaged, at_launch = fragment, result, extra
         params, buffers = self._tensors(state, f)
         snapshot = [state.snapshot[i] for i in state.fragments[f]]
         for s, g in zip(snapshot, averaged):
@@ -179,7 +183,7 @@ class DiLoCo(Streamed, Algorithm):
             for t, new, old in zip(params + buffers, targets, at_launch or targets):
                 if at_launch is not None:  # keep the local steps taken while the average travelled
                     t.add_(new - old)
-                elif self.stagger.delay and self.mixing is not None:
+                elif state.late and self.mixing is not None:
                     t.mul_(self.mixing).add_(new, alpha=1 - self.mixing)
                 else:
                     t.copy_(new)

@@ -23,31 +23,25 @@ import torch
 import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage, average_
-from .base import Algorithm
+from ..replica import Replica
 from .options import Bool, Int
-from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
+from .periodic import StepCount
+from .streamed import Streamed, StreamedState
+from .streaming import fragments_of
 
 
-class LocalSGDState(CountedState):
+class LocalSGDState(StreamedState):
     """The step count, the node's private group (hierarchical only), the fragments and their averages in flight."""
 
-    __slots__ = ("count", "intra", "fragments", "streams")
+    __slots__ = ("intra", "fragments", "group")
 
     def __init__(self, count: StepCount, intra: Optional[dist.ProcessGroup], fragments: list[list[torch.Tensor]]) -> None:
-        self.count, self.intra, self.fragments = count, intra, fragments
-        self.streams: Optional[Streams] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.count.state_dict(), "in_flight": self.streams.state_dict() if self.streams else []}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count.load_state_dict(state)
-        if self.streams:
-            self.streams.load_state_dict(state.get("in_flight", []))
+        super().__init__(count)
+        self.intra, self.fragments = intra, fragments
+        self.group: Optional[dist.ProcessGroup] = None  # the averages' private group
 
 
-class LocalSGD(Streamed, Algorithm):
+class LocalSGD(Streamed[LocalSGDState]):
     """Periodic weight averaging after a synchronous warm-up.
 
     Args:
@@ -56,10 +50,7 @@ class LocalSGD(Streamed, Algorithm):
         warmup_steps: steps of synchronous gradient averaging first.
         hierarchical: also average inside each node every ``local_period`` steps.
         local_period: the node's averaging period (smaller than ``period``).
-        fragments: how many fragments of the weights are averaged in turn across
-            the period (default ``min(4, period)``).
-        delay: steps an average travels before it lands, less than ``period``
-            (default ``period // fragments // 2``; 0 blocks).
+        fragments, delay: how the averages are streamed (see ``streaming.Streamed``).
 
     Example::
 
@@ -69,12 +60,10 @@ class LocalSGD(Streamed, Algorithm):
     name = "local_sgd"
     replicas_drift = True
     needs_optimizers = True
-    period = Int(16, aliases=("communication_interval",), doc="steps between two averages")
-    warmup_steps = Int(0, minimum=0, what="an integer of at least 0", doc="steps of synchronous gradient averaging first")
-    hierarchical = Bool(False, doc="also average inside each node every local_period steps")
-    local_period = Int(2, doc="steps between two averages inside a node")
-    fragments = Int(None, optional=True, doc="fragments of the weights averaged in turn (None: min(4, period))")
-    delay = Int(None, minimum=0, optional=True, doc="steps an average travels before it lands (None: period // fragments // 2)")
+    period = Int(16, aliases=("communication_interval",))
+    warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
+    hierarchical = Bool(False)
+    local_period = Int(2)
 
     def validate(self) -> None:
         if self.hierarchical and self.local_period >= self.period:
@@ -82,47 +71,48 @@ class LocalSGD(Streamed, Algorithm):
                 f"local_period ({self.local_period}) must be smaller than period ({self.period}): "
                 "nodes average inside more often than across"
             )
-        self.stagger = resolve(self.period, self.fragments, self.delay)  # refuses fragments > period, delay >= period
+        super().validate()
 
-    def setup(self, replica) -> LocalSGDState:
-        super().setup(replica)
+    def setup(self, replica: Replica) -> LocalSGDState:
+        self.check_optimizers(replica)
         intra = None
         if self.hierarchical and replica.group is not None:
             topo = replica.topology
             if topo.world_size != dist.get_world_size() or replica.group is not dist.group.WORLD:
                 raise ValueError("hierarchical local_sgd needs unison.init() and the whole world as its process group")
             intra = replica.private_group("local_sgd/intra", topo.intra_node_group)
-        named = list(replica.named_parameters) + [(n, b) for n, b in replica.named_buffers if b.is_floating_point()]
-        state = LocalSGDState(StepCount(self.period, self.warmup_steps), intra, [[t for _, t in f] for f in fragments_of(named, self.stagger.fragments)])
+        named = replica.named_parameters + replica.float_buffers
+        fragments = [[t for _, t in f] for f in fragments_of(named, self.schedule().fragments)]
+        state = LocalSGDState(StepCount(self.period, self.warmup_steps), intra, fragments)
         if replica.group is not None:
-            group = replica.private_group("local_sgd")
-            stagger = Stagger(self.period, len(state.fragments), self.stagger.delay)
-            state.streams = Streams(stagger, lambda f: self._launch(state, group, f), lambda f, avg, at: self._merge(state, f, avg, at))
+            state.group = replica.private_group("local_sgd")
+            self.stream(replica, state, len(fragments))
         return state
 
-    def sync_gradients(self, replica, state) -> bool:
+    def sync_gradients(self, replica: Replica, state: LocalSGDState) -> bool:
         return state.count.warming_up
 
-    def after_step(self, replica, state, optimizer) -> None:
-        if not state.count.tick(replica, optimizer) or state.streams is None:
-            return
-        state.streams.advance(state.count.local_steps)
-        if state.intra is not None and state.count.due(self.local_period) and not state.count.due():
-            state.bytes_sent += average_(replica.parameters + [b for b in replica.buffers if b.is_floating_point()], state.intra)
+    def after_step(self, replica: Replica, state: LocalSGDState, optimizer: torch.optim.Optimizer) -> None:
+        super().after_step(replica, state, optimizer)
+        due = replica.step_ended(optimizer) and state.count.due(self.local_period) and not state.count.due()
+        if state.intra is not None and state.streams is not None and due:
+            tensors = replica.parameters + [b for _, b in replica.float_buffers]
+            state.bytes_sent += average_(tensors, state.intra)
 
-    def _launch(self, state: LocalSGDState, group, f: int):
-        """Start averaging fragment ``f``; keep its values when the average lands late."""
-        tensors = state.fragments[f]
+    def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[AsyncAverage, Any]:
+        """Start averaging ``fragment``; keep its values when the average lands late."""
+        tensors = state.fragments[fragment]
         with torch.no_grad():
-            at_launch = [t.detach().clone() for t in tensors] if self.stagger.delay else None
-        pending = AsyncAverage(tensors, group)
+            at_launch = [t.detach().clone() for t in tensors] if state.late else None
+        pending = AsyncAverage(tensors, state.group)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch
 
-    def _merge(self, state: LocalSGDState, f: int, averaged: list[torch.Tensor], at_launch) -> None:
+    def merge(self, replica: Replica, state: LocalSGDState, fragment: int, result: Any, extra: Any) -> None:
+        averaged, at_launch = result, extra
         with torch.no_grad():
             if at_launch is None:
-                torch._foreach_copy_(state.fragments[f], averaged)
+                torch._foreach_copy_(state.fragments[fragment], averaged)
             else:  # keep the local steps taken while the average travelled
                 torch._foreach_sub_(averaged, at_launch)
-                torch._foreach_add_(state.fragments[f], averaged)
+                torch._foreach_add_(state.fragments[fragment], averaged)

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from ..engine.codecs import MinMax8
-from .base import Algorithm
+from ..engine.comm import Waitable
+from ..replica import Replica
 from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours
 from .options import Int
-from .periodic import CountedState, StepCount
-from .streaming import Stagger, Streamed, Streams, fragments_of, resolve
+from .periodic import StepCount
+from .streamed import Streamed, StreamedState
+from .streaming import fragments_of
 
 #: Values per quantization chunk (each has its own float32 min and scale).
 CHUNK_SIZE = 1024
@@ -44,19 +48,22 @@ class Copies:
         return self.codec.decode(message).view(-1)[: self.flat.numel]
 
 
-class LowPrecisionState(CountedState):
+class LowPrecisionState(StreamedState):
     """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
-    __slots__ = ("count", "rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments", "streams")
+    __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments")
 
-    def __init__(self, count: StepCount, rank: int, group=None, neighbours: Optional[list[int]] = None, copies: Optional[list[Copies]] = None) -> None:
-        self.count, self.rank, self.group = count, rank, group
+    def __init__(
+        self, count: StepCount, rank: int, group: Optional[dist.ProcessGroup] = None,
+        neighbours: Optional[list[int]] = None, copies: Optional[list[Copies]] = None,
+    ) -> None:
+        super().__init__(count)
+        self.rank, self.group = rank, group
         self.neighbours = neighbours or []
         self.copies = copies or []
         self.refresh = False  # the next round first resends the public copies in full precision
         self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
         self.fragments: list[list[int]] = []  # per fragment, the indices of its copies
-        self.streams: Optional[Streams] = None
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, public copy and replicas (by neighbour rank), per parameter name."""
@@ -67,7 +74,8 @@ class LowPrecisionState(CountedState):
             public.update(c.flat.by_name(c.public))
             for peer, replica in zip(self.neighbours, c.replicas):
                 replicas[peer].update(c.flat.by_name(replica))
-        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas, "in_flight": self.streams.state_dict()}
+        in_flight = self.streams.state_dict() if self.streams else []
+        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas, "in_flight": in_flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the count and copies; the next round refreshes the replicas (see the docs)."""
@@ -79,7 +87,8 @@ class LowPrecisionState(CountedState):
         if not self.copies:
             self.loaded = loaded
             return
-        self.streams.load_state_dict(state.get("in_flight", []))
+        if self.streams:
+            self.streams.load_state_dict(state.get("in_flight", []))
         if "public" not in loaded:
             return
         same_ring = loaded.get("rank") == self.rank and sorted(loaded.get("replicas", {})) == sorted(self.neighbours)
@@ -91,15 +100,13 @@ class LowPrecisionState(CountedState):
         self.refresh = True
 
 
-class LowPrecisionDecentralized(Streamed, Algorithm):
+class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
 
     Args:
         period: optimizer steps between two rounds (1: every step); alias
             ``communication_interval`` (Bagua's name).
-        fragments: fragments of the weights mixed in turn (default ``min(4, period)``).
-        delay: steps a round's messages travel before they are merged (default
-            ``period // fragments // 2``; 0 blocks).
+        fragments, delay: how the rounds are streamed (see ``streaming.Streamed``).
 
     Example::
 
@@ -110,36 +117,27 @@ class LowPrecisionDecentralized(Streamed, Algorithm):
     reduces_gradients = False
     replicas_drift = True
     needs_optimizers = True
-    period = Int(16, aliases=("communication_interval",), doc="optimizer steps between two rounds")
-    fragments = Int(None, optional=True, doc="fragments of the weights mixed in turn (None: min(4, period))")
-    delay = Int(None, minimum=0, optional=True, doc="steps a round travels before it is merged (None: period // fragments // 2)")
+    period = Int(16, aliases=("communication_interval",))
 
-    def validate(self) -> None:
-        self.stagger = resolve(self.period, self.fragments, self.delay)  # refuses fragments > period, delay >= period
-
-    def setup(self, replica) -> LowPrecisionState:
-        super().setup(replica)
+    def setup(self, replica: Replica) -> LowPrecisionState:
+        self.check_optimizers(replica)
         count = StepCount(self.period)
         if not replica.distributed:
             return LowPrecisionState(count, replica.rank)
         neighbours = ring_neighbours(replica.rank, replica.world_size)
         copies, fragments = [], []
-        for piece in fragments_of(replica.trainable, self.stagger.fragments):
+        for piece in fragments_of(replica.trainable, self.schedule().fragments):
             flats = flat_params_of(piece)
             fragments.append(list(range(len(copies), len(copies) + len(flats))))
             copies += [Copies(f, neighbours) for f in flats]
         state = LowPrecisionState(count, replica.rank, replica.private_group(self.name), neighbours, copies)
         state.fragments = fragments
-        stagger = Stagger(self.period, len(fragments), self.stagger.delay)
-        state.streams = Streams(stagger, lambda f: self._launch(state, f), lambda f, messages, at: self._merge(state, f, messages, at))
+        self.stream(replica, state, len(fragments))
         return state
 
-    def after_step(self, replica, state, optimizer) -> None:
-        if state.count.tick(replica, optimizer) and state.streams is not None:
-            state.streams.advance(state.count.steps)
-
-    def _launch(self, state: LowPrecisionState, f: int):
-        """Send fragment ``f``'s 8-bit differences and start receiving the neighbours'."""
+    def launch(self, replica: Replica, state: LowPrecisionState, fragment: int) -> tuple[Waitable, Any]:
+        """Send ``fragment``'s 8-bit differences and start receiving the neighbours'."""
+        f = fragment
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
@@ -152,8 +150,9 @@ class LowPrecisionDecentralized(Streamed, Algorithm):
         copies = [state.copies[tag] for tag in state.fragments[f]]
         return Received(exchange(sends, recvs, state.group, wait=False), [[c.send, *c.received] for c in copies]), [c.flat.flat for c in copies]
 
-    def _merge(self, state: LowPrecisionState, f: int, messages, at_launch) -> None:
+    def merge(self, replica: Replica, state: LowPrecisionState, fragment: int, result: Any, extra: Any) -> None:
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
+        f, messages, at_launch = fragment, result, extra
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]
             c.public.add_(c.decoded(sent))
@@ -163,7 +162,7 @@ class LowPrecisionDecentralized(Streamed, Algorithm):
             for replica in c.replicas:
                 c.mix.add_(replica)
             c.mix.div_(len(c.replicas) + 1)
-            if self.stagger.delay:
+            if state.late:
                 c.flat.add_to_params(c.mix.sub_(x0))
             else:
                 c.flat.scatter(c.mix)

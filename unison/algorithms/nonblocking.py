@@ -17,11 +17,12 @@ applied by ``model.eval()``, ``model.state_dict()``, ``switch_to()`` and
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.utils._pytree
 
+from ..replica import Replica
 from .allreduce import AllReduce, AllReduceState
 
 
@@ -57,7 +58,7 @@ class NonBlocking(AllReduce):
     defers_completion = True
     autotune = None  # not an option here
 
-    def setup(self, replica) -> NonBlockingState:
+    def setup(self, replica: Replica) -> NonBlockingState:
         if not replica.optimizers:
             raise ValueError(
                 "nonblocking applies each layer's update just before that layer's next forward, so it needs the "
@@ -75,7 +76,7 @@ class NonBlocking(AllReduce):
         return state
 
     # ---- what the user's calls now do ---------------------------------
-    def _deferred_step(self, replica, state, opt, closure) -> None:
+    def _deferred_step(self, replica: Replica, state: NonBlockingState, opt, closure) -> None:
         """Record the step instead of taking it (the real one runs layer by layer later)."""
         if closure is not None:
             raise ValueError("nonblocking cannot defer an optimizer step with a closure")
@@ -91,14 +92,14 @@ class NonBlocking(AllReduce):
             pending.zero = set_to_none
 
     # ---- applying updates -------------------------------------------------
-    def before_forward(self, replica, state) -> None:
+    def before_forward(self, replica: Replica, state: NonBlockingState) -> None:
         if not torch.is_grad_enabled():
             self.flush(replica, state)  # no graph to check afterwards: update everything first
             return
         replica.complete(buckets=[])  # flags and buffers: needed by every layer
         super().before_forward(replica, state)
 
-    def after_forward(self, replica, state, output) -> None:
+    def after_forward(self, replica: Replica, state: NonBlockingState, output: Any) -> None:
         """Finish updates whose layers did not run; refuse if such a parameter was used anyway."""
         leftovers = {
             id(p): p
@@ -119,11 +120,11 @@ class NonBlocking(AllReduce):
             )
         self.flush(replica, state)
 
-    def _layer_hook(self, replica, state, params) -> None:
+    def _layer_hook(self, replica: Replica, state: NonBlockingState, params) -> None:
         if state.pending or replica.in_flight:
             self._apply(replica, state, params)
 
-    def _apply(self, replica, state, params) -> None:
+    def _apply(self, replica: Replica, state: NonBlockingState, params) -> None:
         buckets = {replica.bucket_of(p) for p in params}
         buckets.discard(None)
         replica.complete(sorted(buckets))
@@ -165,7 +166,7 @@ class NonBlocking(AllReduce):
                     else:
                         p.grad.zero_()
 
-    def flush(self, replica, state) -> None:
+    def flush(self, replica: Replica, state: NonBlockingState) -> None:
         """Complete every reduction and apply every pending update now."""
         replica.complete()
         for opt in replica.optimizers:

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import ast
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -24,13 +23,11 @@ class Option:
     Args:
         default: the value when the option is not given.
         aliases: other names accepted for it (the seeds' own names).
-        doc: one line for docs and ``--help``.
     """
 
-    def __init__(self, default: Any, aliases: Sequence[str] = (), doc: str = "") -> None:
+    def __init__(self, default: Any, aliases: Sequence[str] = ()) -> None:
         self.default = default
         self.aliases = tuple(aliases)
-        self.doc = doc
         self.name = ""
 
     def __set_name__(self, owner, name: str) -> None:
@@ -48,13 +45,6 @@ class Option:
     def convert(self, value: Any) -> Any:
         """The value the algorithm uses (after ``check`` passed)."""
         return value
-
-    def parse(self, text: str) -> Any:
-        """A value written on the command line (``name:key=value``)."""
-        try:
-            return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            return text  # a bare word: a string choice such as peer_selection=ring
 
 
 def _is_int(value: Any) -> bool:
@@ -144,7 +134,7 @@ def declared(cls) -> dict[str, Option]:
     return out
 
 
-def resolve(algorithm: str, options: dict[str, Option], given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def check_given(algorithm: str, options: dict[str, Option], given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Check ``given`` against ``options``: (canonical values, canonical name -> the name written).
 
     Raises ValueError naming an unknown option (with the allowed ones), one

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..replica import Replica
 from .base import State
 
 
@@ -31,7 +34,7 @@ class StepCount:
     def __init__(self, period: int, warmup_steps: int = 0) -> None:
         self.period, self.warmup_steps, self.steps = period, warmup_steps, 0
 
-    def tick(self, replica, optimizer) -> bool:
+    def tick(self, replica: Replica, optimizer: torch.optim.Optimizer) -> bool:
         """Count ``optimizer``'s step if it ended a training step; True if it did."""
         if not replica.step_ended(optimizer):
             return False
@@ -64,7 +67,11 @@ class CountedState(State):
     """Base of the states of periodic algorithms: a ``StepCount`` in ``count``; by default
     the count is all a checkpoint keeps."""
 
-    count: StepCount
+    __slots__ = ("count",)
+
+    def __init__(self, count: StepCount) -> None:
+        super().__init__()
+        self.count = count
 
     @property
     def steps(self) -> int:

@@ -10,16 +10,18 @@ CommThread over a private group. See docs/algorithms.md#powersgd.
 from __future__ import annotations
 
 import zlib
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..engine import comm
-from ..engine.buckets import split
+from ..engine.buckets import Bucket, split
 from ..engine.codecs import LowRank, orthogonalize  # noqa: F401 (orthogonalize: this module's name for it)
+from ..engine.comm import Waitable
 from ..engine.flatstate import FlatState
-from .base import Algorithm, State, open_thread
+from ..replica import Replica
+from .base import Algorithm, ThreadedState, open_thread
 from .options import Bool, Int, Number
 
 
@@ -64,33 +66,32 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class PowerSGDState(State):
+class PowerSGDState(ThreadedState):
     """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
-    __slots__ = ("steps", "residuals", "qs", "plans", "buffers", "group", "thread")
-    saved = ("steps", "residuals", "qs")
+    __slots__ = ("passes", "residuals", "qs", "plans", "buffers")
 
-    def __init__(self, group=None, thread=None) -> None:
-        self.steps = 0  # synchronized backward passes
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None) -> None:
+        super().__init__(group, thread)
+        self.passes = 0  # synchronized backward passes (saved as "steps")
         self.residuals = FlatState()  # error feedback, per parameter
         self.qs: dict[str, torch.Tensor] = {}  # warm-start factors, per parameter
         self.plans: dict[tuple[str, ...], BucketPlan] = {}
         self.buffers: dict[tuple[str, ...], tuple[torch.Tensor, LowRank]] = {}  # first message, factors
-        self.group, self.thread = group, thread
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "residuals": self.residuals.state_dict(), "qs": {n: q.clone() for n, q in self.qs.items()}}
+        return {"steps": self.passes, "residuals": self.residuals.state_dict(), "qs": {n: q.clone() for n, q in self.qs.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"steps", "residuals", "qs"} - set(state)
         if missing:
             raise ValueError(f"a powersgd state needs {sorted(missing)}; got keys {sorted(state)}")
-        self.steps = int(state["steps"])
+        self.passes = int(state["steps"])
         self.residuals.load_state_dict(state["residuals"])
         self.qs = {name: q.clone() for name, q in state["qs"].items()}
 
 
-class PowerSGD(Algorithm):
+class PowerSGD(Algorithm[PowerSGDState]):
     """Rank-r PowerSGD with error feedback and warm start.
 
     Args:
@@ -106,32 +107,32 @@ class PowerSGD(Algorithm):
     """
 
     name = "powersgd"
-    rank = Int(4, doc="rank of the approximation")
-    start_iter = Int(10, minimum=0, doc="backward passes averaged uncompressed first")
-    min_compression_rate = Number(2.0, low=1.0, open_low=False, doc="least n*m / ((n+m)*rank) compressed")
-    warm_start = Bool(True, doc="start each power iteration from the previous Q")
+    rank = Int(4)
+    start_iter = Int(10, minimum=0)
+    min_compression_rate = Number(2.0, low=1.0, open_low=False)
+    warm_start = Bool(True)
 
-    def setup(self, replica) -> PowerSGDState:
+    def setup(self, replica: Replica) -> PowerSGDState:
         return PowerSGDState(*(open_thread(replica, self.name) if replica.distributed else ()))
 
     def compressing(self, state: PowerSGDState) -> bool:
         """Whether the current backward pass compresses (the warm-up is over)."""
-        return state.steps >= self.start_iter
+        return state.passes >= self.start_iter
 
-    def reduce_bucket(self, replica, state, bucket, group):
+    def reduce_bucket(self, replica: Replica, state: PowerSGDState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
         if not self.compressing(state):
             return comm.start(dist.all_reduce, bucket.flat, group=group)
-        return state.thread.submit(self._compressed_reduce, state, bucket, self._plan(state, bucket), state.steps)
+        return state.thread.submit(self._compressed_reduce, state, bucket, self._plan(state, bucket), state.passes)
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size):
+    def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
         if not self.compressing(state):
             return super().bucket_wire_bytes(replica, state, bucket, world_size)
         plan = self._plan(state, bucket)
         size = torch.empty(0, dtype=work_dtype(bucket.dtype)).element_size()
         return comm.ring_bytes((plan.plain_numel + plan.p_numel + plan.q_numel) * size, world_size)
 
-    def after_backward(self, replica, state) -> None:
-        state.steps += 1
+    def after_backward(self, replica: Replica, state: PowerSGDState) -> None:
+        state.passes += 1
 
     def _plan(self, state: PowerSGDState, bucket) -> BucketPlan:
         key = tuple(bucket.names)

@@ -10,15 +10,16 @@ bytegrad's 8-bit exchange. See docs/algorithms.md#qadam.
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ..engine.buckets import split
-from ..engine.comm import start
+from ..engine.buckets import Bucket, split
+from ..engine.comm import CommThread, Waitable, start
 from ..engine.flatstate import FlatState
-from .base import Algorithm, State, open_thread
+from ..replica import Replica
+from .base import Algorithm, ThreadedState, open_thread
 from .bytegrad import bucket_exchange, wire_bytes_8bit
 from .qadam_optimizer import QAdamOptimizer
 
@@ -26,19 +27,21 @@ from .qadam_optimizer import QAdamOptimizer
 CHUNK_SIZE = 1024
 
 
-class QAdamState(State):
+class QAdamState(ThreadedState):
     """The optimizer, the flat momenta (saved), the buckets' exchanges and denominators, group and thread."""
 
-    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "group", "thread")
+    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators")
 
-    def __init__(self, optimizer: QAdamOptimizer, group=None, thread=None) -> None:
+    def __init__(
+        self, optimizer: QAdamOptimizer, group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
+    ) -> None:
+        super().__init__(group, thread)
         self.optimizer = optimizer
         self.momentum = FlatState()
         self.seeded: set[str] = set()  # parameters whose momentum started from the optimizer's exp_avg
         self.compressing = False  # whether the last bucket launched went through the 8-bit exchange
         self.exchanges: dict[int, Any] = {}
-        self.denominators: dict[int, tuple] = {}
-        self.group, self.thread = group, thread
+        self.denominators: dict[int, tuple[Any, ...]] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": self.momentum.state_dict()} if self.seeded else {}
@@ -52,7 +55,7 @@ class QAdamState(State):
         self.seeded = set(momentum)
 
 
-class QAdam(Algorithm):
+class QAdam(Algorithm[QAdamState]):
     """8-bit momentum averaging for ``QAdamOptimizer``; no options (the optimizer holds them).
 
     Example::
@@ -63,7 +66,7 @@ class QAdam(Algorithm):
 
     name = "qadam"
 
-    def setup(self, replica) -> QAdamState:
+    def setup(self, replica: Replica) -> QAdamState:
         found = [opt for opt in replica.optimizers if isinstance(opt, QAdamOptimizer)]
         if len(found) != 1:
             raise ValueError(
@@ -79,7 +82,7 @@ class QAdam(Algorithm):
             )
         return QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed else ()))
 
-    def reduce_bucket(self, replica, state, bucket, group):
+    def reduce_bucket(self, replica: Replica, state: QAdamState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
         world, opt = dist.get_world_size(group), state.optimizer
         state.compressing = world > 1 and not opt.warming_up and bucket.flat.numel() > 0
         if not state.compressing:
@@ -100,7 +103,7 @@ class QAdam(Algorithm):
         exchange = bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE)
         return state.thread.submit(_average, exchange, bucket.flat, state.group, momentum, denom)
 
-    def bucket_wire_bytes(self, replica, state, bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
         if state.compressing:
             return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
         return super().bucket_wire_bytes(replica, state, bucket, world_size)

@@ -10,20 +10,22 @@ while those steps compute; ``delay=0`` merges at once (a blocking sync). With
 one fragment and no delay this is the classic schedule: one sync every
 ``period`` steps.
 
-An algorithm gives ``Streams`` two functions: ``launch(f)`` starts fragment
-``f``'s communication and returns ``(pending, extra)`` (``pending.wait()`` gives
-the result; ``extra`` is what the merge needs besides, such as the weights at
-launch), and ``merge(f, result, extra)`` writes it into the model.
+A streamed algorithm subclasses ``streamed.Streamed``, which owns the options
+(``fragments``, ``delay``), the schedule, the syncs in flight and their
+checkpoint, and writes only two methods: ``launch`` starts fragment ``f``'s
+communication and returns ``(pending, extra)`` (``pending.wait()`` gives the
+result; ``extra`` is what the merge needs besides, such as the weights at
+launch), and ``merge`` writes the result into the model.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..engine.comm import Finished
+from ..engine.comm import Finished, Waitable
 
 
 def fragments_of(named: Sequence[tuple[str, torch.Tensor]], count: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -84,7 +86,7 @@ class Stagger:
         return [f for f in range(self.fragments) if step % self.period == self.offset(f)]
 
 
-def resolve(period: int, fragments, delay) -> Stagger:
+def default_schedule(period: int, fragments: Optional[int], delay: Optional[int]) -> Stagger:
     """The schedule for the options given; None picks the default: ``min(4, period)``
     fragments, and a delay of half the steps between two launches
     (``period // fragments // 2``: 2 steps for the default period of 16)."""
@@ -102,9 +104,11 @@ class Streams:
         merge: ``merge(f, pending.wait(), extra)``.
     """
 
-    def __init__(self, stagger: Stagger, launch: Callable[[int], tuple[Any, Any]], merge: Callable[[int, Any, Any], None]) -> None:
+    def __init__(
+        self, stagger: Stagger, launch: Callable[[int], tuple[Waitable, Any]], merge: Callable[[int, Any, Any], None]
+    ) -> None:
         self.stagger, self._launch, self._merge = stagger, launch, merge
-        self.inflight: dict[int, tuple[int, Any, Any]] = {}  # fragment -> (launch step, pending, extra), in launch order
+        self.inflight: dict[int, tuple[int, Waitable, Any]] = {}  # fragment -> (launch step, pending, extra), in launch order
 
     def advance(self, step: int) -> None:
         """After local step ``step``: merge the syncs due, then launch the fragments due."""
@@ -139,25 +143,6 @@ class Streams:
         self.drop()
         for e in entries:
             self.inflight[int(e["fragment"])] = (int(e["step"]), Finished(e["result"]), e["extra"])
-
-
-class Streamed:
-    """The events every streamed algorithm handles alike (mix in before ``Algorithm``): ``average()``
-    and ``switch_to()`` merge the syncs in flight, and a wrapper collected without ``close()``
-    forgets them (no waiting: the peers may be gone). The state holds ``streams`` (None alone)."""
-
-    def average(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-
-    def teardown(self, replica, state) -> None:
-        if state.streams:
-            state.streams.finish()
-        super().teardown(replica, state)
-
-    def release(self, replica, state) -> None:
-        if state.streams:
-            state.streams.inflight.clear()
 
 
 def _copy(value: Any) -> Any:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .buckets import MB, split
 from .codecs import MinMax8
-from .comm import _chunks, flatten, ring_bytes, start
+from .comm import all_gather_objects, chunks, flatten, ring_bytes, start
 
 #: Default size of one coalesced collective.
 CHUNK_BYTES = 25 * MB
@@ -43,7 +43,7 @@ class AsyncAverage:
         self._parts = []
         self.wire_bytes = 0
         with torch.no_grad():
-            for chunk in _chunks(list(tensors), chunk_bytes):
+            for chunk in chunks(list(tensors), chunk_bytes):
                 flat = flatten(chunk)
                 wire = flat.to(wire_dtype) if wire_dtype is not None and flat.is_floating_point() else flat
                 wire.div_(world)
@@ -138,8 +138,7 @@ def average_optimizer_states(optimizers, group) -> int:
                 for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
                         entries.append(((i, j, k, str(key), tuple(value.shape), str(value.dtype)), value))
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, [sig for sig, _ in entries], group=group)
+    gathered = all_gather_objects([sig for sig, _ in entries], group)
     common = set(gathered[0]).intersection(*gathered[1:])
     tensors = [value for sig, value in entries if sig in common]
     return average_(tensors, group) if tensors else 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from typing import Any, Callable, Optional, Sequence
+import pickle
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,24 +42,24 @@ def ring_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
-def _chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+def chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """Group tensors by dtype and device, then into chunks of at most ``cap_bytes``."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    chunks = []
+    out: list[list[torch.Tensor]] = []
     for group in by_kind.values():
         current, size = [], 0
         for t in group:
             nbytes = t.numel() * t.element_size()
             if current and size + nbytes > cap_bytes:
-                chunks.append(current)
+                out.append(current)
                 current, size = [], 0
             current.append(t)
             size += nbytes
         if current:
-            chunks.append(current)
-    return chunks
+            out.append(current)
+    return out
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -87,7 +88,7 @@ class AsyncBroadcast:
     def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], source: int = 0):
         self._parts = []
         src = src_rank(group, source)
-        for chunk in _chunks(tensors, 25 * MB):
+        for chunk in chunks(tensors, 25 * MB):
             flat = flatten(chunk)
             self._parts.append((chunk, flat, start(dist.broadcast, flat, src=src, group=group)))
 
@@ -98,6 +99,23 @@ class AsyncBroadcast:
         self._parts = []
 
 
+def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's ``obj``, in group rank order (two collectives).
+
+    Unlike torch's ``all_gather_object`` it needs no NumPy, which neither
+    torch nor unison requires.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size(group))]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(out, padded, group=group)
+    return [pickle.loads(bytes(o[: int(n.item())].tolist())) for o, n in zip(out, sizes)]
+
+
 def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dist.ProcessGroup], describe: Callable[[Any], str]) -> None:
     """Raise ValueError on every rank if ``entries`` differ between ranks.
 
@@ -105,8 +123,7 @@ def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dis
     other rank's and raises the same message naming the first difference.
     """
     world = group_size(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, list(entries), group=group)
+    gathered = all_gather_objects(list(entries), group)
     reference = gathered[0]
     for r in range(1, world):
         other = gathered[r]
@@ -126,6 +143,12 @@ def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dis
             f"the first one only rank {longer} has is {describe(extra)}. Every rank must wrap "
             f"the same model with the same settings."
         )
+
+
+class Waitable(Protocol):
+    """A result on its way: a torch Work, a ``Pending``, a ``Finished``, an average in flight."""
+
+    def wait(self) -> Any: ...
 
 
 class Pending:

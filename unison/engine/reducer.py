@@ -2,7 +2,7 @@
 
 Each parameter's post-accumulate-grad hook moves its gradient into its bucket
 (scaled for averaging, fused with the copy). When a bucket is complete and
-every bucket before it has been launched, the policy's reduction starts, so
+every bucket before it has been launched, the algorithm's reduction starts, so
 communication overlaps the rest of backward and every rank issues the same
 sequence of collectives. At the end of backward (an autograd callback queued on
 the outermost backward), the buckets that never completed are launched in
@@ -13,7 +13,7 @@ average, one used on none keeps ``grad=None``.
 After the first synchronized backward the buckets are re-planned once from the
 order in which gradients really arrived (rank 0's order, broadcast).
 
-The reducer knows no algorithm: it asks its ``policy`` (``unison.events.Dispatcher``)
+The reducer knows no algorithm: it asks its ``dispatcher`` (``unison.events.Dispatcher``)
 whether a pass synchronizes, by what to scale, how to reduce a bucket, and tells
 it when the backward's reductions are complete.
 """
@@ -21,7 +21,7 @@ it when the backward's reductions are complete.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,20 @@ from . import buckets as bucketing
 from ..runtime import health
 from . import comm, nonfinite
 from .comm import src_rank, start
+
+
+class Questions(Protocol):
+    """What the engine asks of the algorithm (``unison.events.Dispatcher`` answers)."""
+
+    def sync_gradients(self) -> bool: ...
+
+    def grad_scale(self, world_size: int) -> float: ...
+
+    def reduce_bucket(self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]) -> comm.Waitable: ...
+
+    def bucket_wire_bytes(self, bucket: bucketing.Bucket, world_size: int) -> int: ...
+
+    def after_backward(self) -> None: ...
 
 
 class GradBucket:
@@ -66,21 +80,21 @@ class GradReducer:
     Args:
         params, names: the parameters that require grad, and their names.
         group: the process group gradients are averaged over.
-        policy: answers ``sync_gradients()``, ``grad_scale(world)``,
+        dispatcher: answers ``sync_gradients()``, ``grad_scale(world)``,
             ``reduce_bucket(bucket, group)``, ``bucket_wire_bytes(bucket, world)``
-            and hears ``after_backward()`` (a ``Dispatcher``).
+            and hears ``after_backward()`` (``unison.events.Dispatcher``).
         bucket_cap_bytes: the size of a bucket (the first is at most 1 MiB).
         tag: a name unique to the owner, the same on every rank (private groups).
         negotiate: agree each pass on which parameters have a gradient somewhere.
         delay: reduce after backward instead of overlapping with it.
-        reduce_function: ``fn(tensors, group)`` replacing the policy's reduction.
+        reduce_function: ``fn(tensors, group)`` replacing the algorithm's reduction.
         nonfinite: None, "raise" or "skip" (``DataParallel(nonfinite=...)``).
         decide_sync: asked once per pass instead of the forward's no_sync state
             (DistributedOptimizer counts passes with it).
         on_begin, on_end: called when a synchronized pass begins and when its
             flags are settled (buffer broadcasts).
         defers_completion: leave reductions in flight at the end of backward
-            (the policy completes them later through ``complete``).
+            (the algorithm completes them later through ``complete``).
     """
 
     def __init__(
@@ -88,7 +102,7 @@ class GradReducer:
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
         group: Optional[dist.ProcessGroup],
-        policy,
+        dispatcher: "Questions",
         bucket_cap_bytes: int,
         tag: str,
         negotiate: bool = True,
@@ -104,7 +118,7 @@ class GradReducer:
         self.names = list(names)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
-        self.policy = policy
+        self.dispatcher = dispatcher
         self.cap = bucket_cap_bytes
         self.first_cap = min(bucket_cap_bytes, bucketing.MB)
         self.negotiate = negotiate
@@ -125,8 +139,8 @@ class GradReducer:
         # Divide gradients by this many ranks instead of the group's size (join with
         # divide_by_initial_world_size=False); see set_divisor.
         self.scale_world: Optional[int] = None
-        # Counters.
-        self.steps = 0
+        # Counters: synchronized backward passes, bytes sent.
+        self.passes = 0
         self.bytes_total = 0
         self.bytes_last = 0
 
@@ -243,7 +257,7 @@ class GradReducer:
     def _decide(self) -> bool:
         """Whether this pass synchronizes (asked once per pass)."""
         sync = self._sync if self.decide_sync is None else self.decide_sync()
-        synced = bool(sync and self.policy.sync_gradients())
+        synced = bool(sync and self.dispatcher.sync_gradients())
         if not synced:
             self.nonfinite_checked = False
         return synced
@@ -270,7 +284,7 @@ class GradReducer:
         self._active = True
         self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
         custom = self.comm_hook is not None or self.reduce_function is not None
-        self._scale = 1.0 if custom else self.policy.grad_scale(self.scale_world or self.world)
+        self._scale = 1.0 if custom else self.dispatcher.grad_scale(self.scale_world or self.world)
         self._bad = None
         self._fired = [False] * len(self.params)
         self._pending = list(self._sizes)
@@ -346,8 +360,8 @@ class GradReducer:
         elif self.group is None:
             handle = None  # one replica: its gradient is the average
         else:
-            handle = self.policy.reduce_bucket(bucket, self.group)
-        self._bytes += self.policy.bucket_wire_bytes(bucket, self.world)
+            handle = self.dispatcher.reduce_bucket(bucket, self.group)
+        self._bytes += self.dispatcher.bucket_wire_bytes(bucket, self.world)
         self._handles.append((bucket, handle))
 
     @health.translated("the gradient reduction of backward")
@@ -390,7 +404,7 @@ class GradReducer:
         self._waiting = {bucket.index: (bucket, handle) for bucket, handle in self._handles}
         self._handles = []
         self._unfinished = True
-        self.steps += 1
+        self.passes += 1
         self.bytes_last = self._bytes
         self.bytes_total += self._bytes
 
@@ -425,7 +439,7 @@ class GradReducer:
         self._unfinished = False
         if self._arrival is not None:
             self._replan(self._arrival)
-        self.policy.after_backward()
+        self.dispatcher.after_backward()
 
     def _flag_tensor(self, has: list[bool]) -> torch.Tensor:
         """What the MAX allreduce at the end of backward agrees on: which parameters

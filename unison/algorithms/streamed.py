@@ -1,0 +1,108 @@
+"""The base of the streamed model-averaging algorithms (local_sgd, decentralized,
+low_precision_decentralized, diloco): their options, schedule, syncs in flight,
+checkpoint and events, written once. Each algorithm writes its ``launch`` and
+its ``merge``; the schedule itself is ``streaming``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, TypeVar
+
+import torch
+
+from ..engine.comm import Waitable
+from ..replica import Replica
+from .base import Algorithm
+from .options import Int
+from .periodic import CountedState, StepCount
+from .streaming import Stagger, Streams, default_schedule
+
+
+class StreamedState(CountedState):
+    """Base of a streamed algorithm's state: the step count and the syncs in flight
+    (``streams`` is None on a replica alone: nothing to sync)."""
+
+    __slots__ = ("streams",)
+
+    def __init__(self, count: StepCount) -> None:
+        super().__init__(count)
+        self.streams: Optional[Streams] = None
+
+    @property
+    def late(self) -> bool:
+        """Whether syncs land some steps after their launch (local steps are kept at the merge)."""
+        return self.streams is not None and self.streams.stagger.delay > 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.count.state_dict(), "in_flight": self.streams.state_dict() if self.streams else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - {"steps", "in_flight"})
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has unknown entries {unknown}; expected 'steps' and 'in_flight'")
+        self.count.load_state_dict(state)
+        if self.streams:
+            self.streams.load_state_dict(state.get("in_flight", []))
+
+
+T = TypeVar("T", bound=StreamedState)
+
+
+class Streamed(Algorithm[T]):
+    """Base of the streamed model-averaging algorithms: a sync every ``period`` steps per fragment.
+
+    Options (besides each algorithm's ``period``):
+        fragments: how many fragments of the weights sync in turn across the
+            period (default ``min(4, period)``).
+        delay: steps a sync travels before it is merged, less than ``period``
+            (default ``period // fragments // 2``; 0 blocks).
+
+    A subclass builds its state in ``setup``, calls ``stream(replica, state, n)``
+    for its ``n`` fragments, and writes ``launch`` and ``merge``. ``average()``
+    and ``switch_to()`` merge the syncs in flight; a wrapper collected without
+    ``close()`` forgets them (no waiting: the peers may be gone).
+    """
+
+    period: int
+    fragments = Int(None, optional=True)
+    delay = Int(None, minimum=0, optional=True)
+
+    def validate(self) -> None:
+        self.schedule()  # refuses fragments > period, delay >= period
+
+    def schedule(self) -> Stagger:
+        """The schedule the options ask for (defaults filled in)."""
+        return default_schedule(self.period, self.fragments, self.delay)
+
+    def stream(self, replica: Replica, state: T, fragments: int) -> None:
+        """Sync ``fragments`` fragments of ``state`` on the schedule, through ``launch`` and ``merge``."""
+        stagger = Stagger(self.period, fragments, self.schedule().delay)
+        state.streams = Streams(
+            stagger, lambda f: self.launch(replica, state, f), lambda f, result, extra: self.merge(replica, state, f, result, extra)
+        )
+
+    def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:
+        """Start ``fragment``'s sync: ``(pending, extra)`` for ``merge``."""
+        raise NotImplementedError
+
+    def merge(self, replica: Replica, state: T, fragment: int, result: Any, extra: Any) -> None:
+        """Write ``fragment``'s landed sync (``pending.wait()``) into the model."""
+        raise NotImplementedError
+
+    def after_step(self, replica: Replica, state: T, optimizer: torch.optim.Optimizer) -> None:
+        """After a training step: merge the syncs due, launch the fragments due."""
+        if state.count.tick(replica, optimizer) and state.streams is not None:
+            state.streams.advance(state.count.local_steps)
+
+    def average(self, replica: Replica, state: T) -> None:
+        if state.streams:
+            state.streams.finish()
+
+    def teardown(self, replica: Replica, state: T) -> None:
+        if state.streams:
+            state.streams.finish()
+        super().teardown(replica, state)
+
+    def release(self, replica: Replica, state: T) -> None:
+        if state.streams:
+            state.streams.inflight.clear()

@@ -1,0 +1,267 @@
+"""The core both wrappers hold: ``DataParallel`` (the module side) and
+``DistributedOptimizer`` (the optimizer side) differ in what they wrap, not in
+how they run an algorithm.
+
+A ``Core`` builds the Replica, starts and stops the algorithm's Dispatcher,
+builds and removes the gradient engine (``GradReducer``), hooks the optimizers'
+steps, keeps the algorithm's state in a state dict, and counts the traffic of
+algorithms that have left. Membership, the bucket-size check, the tags of
+private groups and the construction check's wording are here once too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .algorithms.base import Algorithm
+from .engine.buckets import MB
+from .engine.comm import check_same_everywhere
+from .engine.reducer import GradReducer
+from .events import Dispatcher
+from .hooks import Hooks, StepClock, StepFn
+from .replica import Replica
+
+#: The key under which a wrapper's ``state_dict()`` keeps the algorithm's state.
+ALGORITHM_KEY = "_unison_algorithm"
+
+# Numbers the wrappers in creation order (the same on every rank): their tags
+# name their private process groups, found again after an algorithm switch.
+_serials = itertools.count()
+
+
+def new_tag(kind: str) -> str:
+    """A tag for a new wrapper of ``kind``, unique and the same on every rank."""
+    return f"{kind}-{next(_serials)}"
+
+
+def membership(process_group: Optional[dist.ProcessGroup], who: str) -> tuple[Optional[dist.ProcessGroup], int, int]:
+    """``(group, world size, rank in it)``, or ``(None, 1, 0)`` without torch.distributed.
+
+    Raises ValueError when this process is not in ``process_group``, or when one is
+    given but torch.distributed is not initialized (``who`` names the wrapper).
+    """
+    if dist.is_available() and dist.is_initialized():
+        group = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"this process is not a member of the process_group given to {who}")
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    if process_group is not None:
+        raise ValueError("process_group was given but torch.distributed is not initialized; call unison.init() first")
+    return None, 1, 0
+
+
+def check_bucket_cap(bucket_cap_mb: Any) -> float:
+    """``bucket_cap_mb`` if it is a positive number of MiB; ValueError otherwise."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    return bucket_cap_mb  # as given: 25 stays 25 in messages
+
+
+def parameter_entries(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[Any, ...]]:
+    """What the ranks must agree on about parameters: name, shape, dtype, trainable."""
+    return [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+
+
+def describe_entry(entry: tuple[Any, ...]) -> str:
+    """How a construction-check entry reads in an error message."""
+    if entry[0] == "setting":
+        return f"setting {entry[1]}={entry[2]!r}"
+    extra = "" if entry[0] == "buffer" or entry[4] else ", frozen"
+    return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
+
+
+def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: dist.ProcessGroup) -> None:
+    """Raise on every rank, naming the ranks and the first entry that differ, unless all agree."""
+    check_same_everywhere(what, entries, group, describe_entry)
+
+
+class Core:
+    """One algorithm running on one wrapper's parameters.
+
+    Args:
+        algorithm: the configured algorithm.
+        named_parameters, named_buffers: what is trained and kept in agreement.
+        group: the replicas' process group (None without torch.distributed).
+        tag: the wrapper's tag (``new_tag``).
+        modules: the modules whose forwards the algorithm may hook.
+        broadcast_buffers: whether buffers follow rank 0's.
+        bucket_cap_mb: the gradient bucket size, in MiB.
+
+    Example::
+
+        core = Core(unison.algorithms.create("local_sgd"), net.named_parameters(), [], None, new_tag("test"))
+        core.add_optimizer(opt, core.before_step, core.after_step)
+        core.start()
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm[Any],
+        named_parameters: Sequence[tuple[str, nn.Parameter]],
+        named_buffers: Sequence[tuple[str, torch.Tensor]],
+        group: Optional[dist.ProcessGroup],
+        tag: str,
+        modules: Sequence[nn.Module] = (),
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: float = 25,
+    ) -> None:
+        self.algorithm = algorithm
+        self.tag = tag
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
+        self.clock = StepClock(self.optimizers)
+        self.hooks = Hooks(self.clock)
+        self.reducer: Optional[GradReducer] = None
+        self.dispatcher: Optional[Dispatcher] = None
+        self.replica = Replica(named_parameters, named_buffers, self.optimizers, group, tag, self, modules, broadcast_buffers)
+        # What algorithms and engines that have left sent, and their synchronized backward passes.
+        self.retired_bytes = 0
+        self.retired_passes = 0
+        self._optimizer_hooks: list[RemovableHandle] = []
+
+    # ---- the algorithm ------------------------------------------------------------
+    @property
+    def events(self) -> Dispatcher:
+        """The running algorithm's dispatcher (RuntimeError once the wrapper is closed)."""
+        if self.dispatcher is None:
+            raise RuntimeError("this wrapper is closed: wrap the module (or optimizer) again to go on training")
+        return self.dispatcher
+
+    def start(self) -> Dispatcher:
+        """Set the algorithm up on the replica (its ``setup`` event)."""
+        self.dispatcher = Dispatcher(self.algorithm, self.replica)
+        return self.dispatcher
+
+    def stop(self) -> None:
+        """The algorithm leaves: it finishes its work, its hooks and the engine are removed."""
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            return
+        try:
+            dispatcher.teardown()  # may still step optimizers (nonblocking's deferred step)
+        finally:
+            self.dispatcher = None
+            self.hooks.remove()
+            self.retired_bytes += dispatcher.bytes_sent
+            self.remove_reducer()
+
+    def release(self) -> None:
+        """The wrapper is gone (closed or collected): no hook, no thread, no collective."""
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            dispatcher.release()
+        self.remove_reducer()
+        self.hooks.remove()
+        self.hooks.restore_scalers()
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self._optimizer_hooks.clear()
+
+    # ---- the gradient engine ----------------------------------------------------------
+    def build_reducer(self, group: Optional[dist.ProcessGroup], **options: Any) -> GradReducer:
+        """The gradient engine over the trainable parameters (``options``: GradReducer's)."""
+        self.remove_reducer()
+        trainable = self.replica.trainable
+        self.reducer = GradReducer(
+            [p for _, p in trainable],
+            [n for n, _ in trainable],
+            group,
+            self.events,
+            bucket_cap_bytes=int(self.bucket_cap_mb * MB),
+            tag=self.tag,
+            **options,
+        )
+        return self.reducer
+
+    def remove_reducer(self) -> None:
+        """Remove the engine's hooks, keeping its traffic in the totals."""
+        if self.reducer is not None:
+            self.retired_bytes += self.reducer.bytes_total
+            self.retired_passes += self.reducer.passes
+            self.reducer.remove()
+            self.reducer = None
+
+    def set_bucket_size(self, bucket_cap_mb: float) -> None:
+        """Re-plan the engine's buckets at ``bucket_cap_mb`` MiB, now and for later engines."""
+        self.bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
+        if self.reducer is not None:
+            self.reducer.set_bucket_cap(int(self.bucket_cap_mb * MB))
+
+    # ---- optimizer steps ------------------------------------------------------------------
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, before: StepFn, after: StepFn) -> None:
+        """Call ``before(optimizer)`` and ``after(optimizer)`` around each of its steps.
+
+        The callables must not hold the wrapper (pass weak ones): a discarded
+        wrapper is then released by its finalizer.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if any(opt is optimizer for opt in self.optimizers):
+            raise ValueError("this optimizer is already registered with this wrapper")
+        self._optimizer_hooks.append(optimizer.register_step_pre_hook(lambda opt, _args, _kwargs: before(opt)))
+        self._optimizer_hooks.append(optimizer.register_step_post_hook(lambda opt, _args, _kwargs: after(opt)))
+        self.optimizers.append(optimizer)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a registered optimizer's step: the algorithm's pre-step hooks."""
+        self.hooks.run_before_step(optimizer)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
+        """After a registered optimizer's step: count it, fire ``after_step``, then the
+        algorithm's post-step hooks (not for a joined rank's shadow step)."""
+        if not self.hooks.replaced(optimizer):
+            self.clock.record(optimizer)  # a replaced step() counted itself when it was called
+        try:
+            self.events.after_step(optimizer)
+        finally:
+            if not shadow:
+                self.hooks.run_after_step(optimizer)
+
+    # ---- state and traffic --------------------------------------------------------------
+    def algorithm_entry(self) -> Optional[dict[str, Any]]:
+        """``{"name", "state"}`` of the running algorithm for a state dict, or None if it keeps none."""
+        state = self.events.state_dict()
+        return {"name": self.algorithm.name, "state": state} if state else None
+
+    def load_algorithm_entry(self, entry: dict[str, Any], strict: bool, what: str, advice: str = "") -> None:
+        """Restore an ``algorithm_entry``; one of another algorithm raises when ``strict`` and is
+        ignored otherwise (``what`` names the wrapper, ``advice`` says what to do: ``{saved}``
+        is the saved algorithm's name)."""
+        saved = entry["name"]
+        if saved == self.algorithm.name:
+            self.events.load_state_dict(entry["state"])
+        elif strict:
+            raise ValueError(
+                f"the state dict holds the state of algorithm {saved!r} but this {what} runs "
+                f"{self.algorithm.name!r}{advice.format(saved=repr(saved))}"
+            )
+
+    @property
+    def bytes_total(self) -> int:
+        """Everything this rank sent: gradient buckets and the algorithm's own traffic."""
+        live = self.reducer.bytes_total if self.reducer is not None else 0
+        return self.retired_bytes + live + (self.dispatcher.bytes_sent if self.dispatcher is not None else 0)
+
+    @property
+    def passes(self) -> int:
+        """Synchronized backward passes, across every engine this wrapper has had."""
+        return self.retired_passes + (self.reducer.passes if self.reducer is not None else 0)
+
+
+def weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A callable that calls the bound ``method`` while its object lives (hooks must not keep
+    a wrapper alive: a discarded wrapper is then released by its finalizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        return None if target is None else target(*args, **kwargs)
+
+    return call
