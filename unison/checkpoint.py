@@ -290,10 +290,11 @@ def _check_plain(obj: Any, where: str) -> None:
         raise TypeError(f"{where} is a {type(obj).__name__}; a checkpoint's extra holds plain data only (numbers, strings, lists, dicts, tensors)")
 
 
-def _gather(obj: Any, rank: int, world: int) -> Optional[list]:
+def _gather(obj: Any, rank: int, world: int) -> list[Any]:
+    """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
     out = [None] * world if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
-    return out
+    return out or []
 
 
 def _all_gather(obj: Any, world: int) -> list:
@@ -316,7 +317,7 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
-            out._metadata = obj._metadata
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)

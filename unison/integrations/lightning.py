@@ -359,9 +359,11 @@ class UnisonStrategy(DDPStrategy):
         if not isinstance(model, unison.DataParallel):
             return super().lightning_module_state_dict()
         model.flush()
-        state = self.lightning_module.state_dict()
+        module = self.lightning_module
+        assert module is not None
+        state = module.state_dict()
         if self._drifting():
-            state = _averaged(state, self.lightning_module)
+            state = _averaged(state, module)
         return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -193,7 +193,7 @@ class ModelSwitchWrapper(DistributedModule):
         self.intra_comm_root_rank = intra_comm_root_rank
         self.kwargs = dict(kwargs)
         self.bagua_module: Optional[unison.DataParallel] = None
-        self.distributed_algorithm: Optional[DistributedAlgorithm] = None
+        self.distributed_algorithm: Union[DistributedAlgorithm, unison.algorithms.Algorithm, None] = None
         self.stage = 0
         self.step_counter = 0
         self.score_record_list: List[float] = []
@@ -326,13 +326,14 @@ class ModelSwitchWrapper(DistributedModule):
         if self.bagua_module is None:
             raise RuntimeError("call switch_to(...) before autotuning")
         if self._tuner is None:
-            self._tuner = _AutoTuner(self)
+            self._tuner = _AutoTuner(self, self.bagua_module)
         return self._tuner
 
     def _apply_setting(self, message_size: int, hierarchical: Optional[bool]) -> None:
         """Run the current algorithm with another bucket size and hierarchical setting (a collective
         when the hierarchical setting changes: that needs a new algorithm)."""
         dp = self.bagua_module
+        assert dp is not None  # the autotuner that calls this exists only after switch_to
         self.message_size = message_size
         dp.set_bucket_size(message_size / MB)
         if hierarchical is not None and hierarchical != dp.algorithm.options.get("hierarchical"):
@@ -352,9 +353,10 @@ class _AutoTuner:
     when reported, so every rank takes the same decisions.
     """
 
-    def __init__(self, wrapper: ModelSwitchWrapper) -> None:
+    def __init__(self, wrapper: ModelSwitchWrapper, model: unison.DataParallel) -> None:
         self.wrapper = wrapper
-        algorithm = wrapper.bagua_module.algorithm
+        self.model = model  # the wrapper's bagua_module: the same from one switch_to to the next
+        algorithm = model.algorithm
         hierarchical = algorithm.options.get("hierarchical")
         self.can_flip = isinstance(hierarchical, bool)
         sizes = [wrapper.message_size]
@@ -371,7 +373,7 @@ class _AutoTuner:
         if len(scores) >= 3:
             scores = sorted(scores)[1:-1]
         value = statistics.fmean(scores) if scores else 0.0
-        dp = self.wrapper.bagua_module
+        dp = self.model
         if dist.is_available() and dist.is_initialized() and dp.process_group is not None:
             t = torch.tensor([value], dtype=torch.float64)
             dist.all_reduce(t, group=dp.process_group)

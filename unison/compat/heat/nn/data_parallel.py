@@ -6,7 +6,7 @@ Both are ``unison.DataParallel`` subclasses, so everything unison adds (``no_syn
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ class DataParallel(unison.DataParallel):
         ...     optimizer.step()            # applied during the next forward
     """
 
-    def __init__(self, module: nn.Module, comm: Any = None, optimizer: Optimizers = None, blocking_parameter_updates: bool = False) -> None:
+    def __init__(self, module: nn.Module, comm: Any = None, optimizer: Optional[Optimizers] = None, blocking_parameter_updates: bool = False) -> None:
         if not isinstance(blocking_parameter_updates, bool):
             raise TypeError(f"blocking_parameter_updates must be a bool, not {type(blocking_parameter_updates).__name__}")
         comm = as_communicator(comm)

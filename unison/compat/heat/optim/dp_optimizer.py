@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 import unison
+from unison.algorithms.daso import DASOState
 from unison.algorithms.daso_schedule import Schedule
 
 from ..core.communication import MPICommunication, as_communicator, is_mpi_comm
@@ -170,7 +171,8 @@ class DASO:
         _check_int("sending_chunk_size", sending_chunk_size, 0, strict=True)
         _check_int("skip_reduction_factor", skip_reduction_factor, 0, strict=True)
         _check_int("local_skip_factor", local_skip_factor, 0, strict=True)
-        if isinstance(stability_level, bool) or not isinstance(stability_level, numbers.Real):
+        level: object = stability_level  # checked at run time: a script may pass anything
+        if isinstance(level, bool) or not isinstance(level, numbers.Real):
             raise TypeError(f"stability_level must be a float, currently {type(stability_level)}")
         for name, flag in (("verbose", verbose), ("use_mpi_groups", use_mpi_groups)):
             if not isinstance(flag, bool):
@@ -196,7 +198,7 @@ class DASO:
         self.stability_level = float(stability_level)
         self.verbose = verbose
         self.amp = False
-        self.scaler = None
+        self.scaler: Optional[torch.amp.GradScaler] = None
         self.module: Optional[unison.DataParallel] = None
         self.last_batch: Optional[int] = None
         self._options = {
@@ -225,7 +227,12 @@ class DASO:
     # ---- the running schedule ------------------------------------------
     def _schedule(self) -> Optional[Schedule]:
         """The schedule of the model DASO drives, ``model.algorithm_state.schedule`` (None before one)."""
-        return None if self.module is None else self.module.algorithm_state.schedule
+        if self.module is None:
+            return None
+        state = self.module.algorithm_state
+        if not isinstance(state, DASOState):
+            raise RuntimeError("the model this DASO drives runs DASO no more (closed, or switched to another algorithm)")
+        return state.schedule
 
     @property
     def epoch(self) -> int:
@@ -322,6 +329,7 @@ class DASO:
             self.scheduler.step()  # HeAT's sense: this scheduler steps the optimizer itself
         else:
             if self.amp:
+                assert self.scaler is not None  # add_scaler sets both
                 self.scaler.step(self.local_optimizer)
                 self.scaler.update()
             else:
@@ -346,7 +354,7 @@ class DASO:
         """
         model = self._require_model("epoch_loss_logic()")
         self._check_last_batch()
-        model.end_epoch(loss, averaged=loss_globally_averaged)
+        model.end_epoch(float(loss), averaged=loss_globally_averaged)
         gs, ls, btw = self.global_skip, self.local_skip, self.batches_to_wait
         phase = "cycling" if gs else ("warm-up" if self.epoch < self.warmup_epochs else "cool-down")
         self.print0(f"DASO after epoch {self.epoch} ({phase} next): global skips {gs}, local skips {ls}, batches to wait {btw}")
