@@ -77,7 +77,7 @@ def describe_entry(entry: tuple[Any, ...]) -> str:
     return f"{entry[0]} {entry[1]!r} (shape {list(entry[2])}, {entry[3].replace('torch.', '')}{extra})"
 
 
-def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: dist.ProcessGroup) -> None:
+def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: Optional[dist.ProcessGroup]) -> None:
     """Raise on every rank, naming the ranks and the first entry that differ, unless all agree."""
     check_same_everywhere(what, entries, group, describe_entry)
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .algorithms.base import Algorithm, State
 from .engine.buckets import Bucket
-from .engine.comm import Pending
+from .engine.comm import Waitable
 from .replica import Replica
 
 
@@ -66,7 +66,7 @@ class Dispatcher:
     def grad_scale(self, world_size: int) -> float:
         return self.algorithm.grad_scale(self.replica, self.state, world_size)
 
-    def reduce_bucket(self, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Pending:
+    def reduce_bucket(self, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Optional[Waitable]:
         return self.algorithm.reduce_bucket(self.replica, self.state, bucket, group)
 
     def bucket_wire_bytes(self, bucket: Bucket, world_size: int) -> int:

@@ -15,7 +15,7 @@ semantics). Gradient averages keep dividing by the full world size unless
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,7 @@ class Join:
 
     def __exit__(
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> bool:
+    ) -> Literal[False]:
         if not self.enable:
             return False
         try:

@@ -495,7 +495,7 @@ class DataParallel(nn.Module):
         return self._core.reducer
 
     # ---- state ----------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch.nn.Module.state_dict's overloads
         """The wrapped module's state dict (same keys, no ``module.`` prefix),
         plus the algorithm's state under ``"_unison_algorithm"`` if it keeps any."""
         self.flush()

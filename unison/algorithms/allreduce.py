@@ -19,7 +19,7 @@ much faster it made a step than the model's ``bucket_cap_mb`` (see
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,10 @@ class AllReduceState(State):
         return None if self.tuning is None else self.tuning["gain"]
 
 
-class AllReduce(Algorithm[AllReduceState]):
+R = TypeVar("R", bound=AllReduceState)
+
+
+class AllReduce(Algorithm[R]):
     """Gradients averaged in buckets, one allreduce each, overlapped with backward.
 
     Args:
@@ -75,31 +78,37 @@ class AllReduce(Algorithm[AllReduceState]):
     hierarchical = Bool(False)
     autotune = Bool(False)
 
-    def setup(self, replica: Replica) -> AllReduceState:
-        super().setup(replica)
+    def setup(self, replica: Replica) -> R:
+        return cast(R, self.base_state(replica))  # nonblocking builds its own state around this one
+
+    def base_state(self, replica: Replica) -> AllReduceState:
+        """The autotuner and the hierarchy, as the options ask."""
+        self.check_optimizers(replica)
         tuner = BucketTuner(replica.bucket_cap_mb) if self.autotune else None
         hierarchy = Hierarchy(replica, "hierarchical") if self.hierarchical and replica.group is not None else None
         return AllReduceState(tuner, hierarchy)
 
-    def teardown(self, replica: Replica, state: AllReduceState) -> None:
+    def teardown(self, replica: Replica, state: R) -> None:
         if state.hierarchy is not None:
             state.hierarchy.thread.close()
             state.hierarchy = None
 
-    def before_forward(self, replica: Replica, state: AllReduceState) -> None:
+    def before_forward(self, replica: Replica, state: R) -> None:
         if state.tuner is not None and torch.is_grad_enabled():
             state.tuner.forward_started()
 
-    def after_backward(self, replica: Replica, state: AllReduceState) -> None:
+    def after_backward(self, replica: Replica, state: R) -> None:
         if state.tuner is not None:
             state.tuner.backward_ended(replica)
 
-    def reduce_bucket(self, replica: Replica, state: AllReduceState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
+    def reduce_bucket(
+        self, replica: Replica, state: R, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[Waitable]:
         if state.hierarchy is not None:
             return state.hierarchy.thread.submit(state.hierarchy.reduce, bucket.flat)
         return super().reduce_bucket(replica, state, bucket, group)
 
-    def bucket_wire_bytes(self, replica: Replica, state: AllReduceState, bucket: Bucket, world_size: int) -> int:
+    def bucket_wire_bytes(self, replica: Replica, state: R, bucket: Bucket, world_size: int) -> int:
         if state.hierarchy is not None:
             return state.hierarchy.wire_bytes(bucket.nbytes)
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
@@ -108,7 +117,7 @@ class AllReduce(Algorithm[AllReduceState]):
 class Hierarchy:
     """The groups and the thread of a hierarchical reduction (reduce, allreduce, broadcast)."""
 
-    def __init__(self, replica, tag: str) -> None:
+    def __init__(self, replica: Replica, tag: str) -> None:
         topo = replica.topology
         if topo.world_size != dist.get_world_size():
             raise ValueError("hierarchical allreduce needs the node layout: call unison.init() before building DataParallel")
@@ -121,7 +130,7 @@ class Hierarchy:
         self.inter = replica.private_group(tag + "/inter", topo.inter_node_group)
         self.thread = comm.CommThread("unison-hier")
 
-    def reduce(self, flat) -> None:
+    def reduce(self, flat: torch.Tensor) -> None:
         if self.local_size > 1:
             dist.reduce(flat, dst=self.leader, group=self.intra)
         if self.is_leader and self.nodes > 1:

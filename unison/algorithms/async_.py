@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ class AsyncState(CountedState):
 
     __slots__ = ("params", "group", "interval", "timeout", "lock", "held", "thread", "failure", "may_run", "broken", "rounds")
 
-    def __init__(self, params=(), group: Optional[dist.ProcessGroup] = None, interval_s: float = 0.05, warmup_steps: int = 0) -> None:
+    def __init__(self, params: Sequence[torch.Tensor] = (), group: Optional[dist.ProcessGroup] = None, interval_s: float = 0.05, warmup_steps: int = 0) -> None:
         super().__init__(StepCount(1, warmup_steps))
         self.params = list(params)  # the trainable parameters the thread averages
         self.group = group  # the thread's private group; None: nothing to average
@@ -112,7 +112,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
 
     @property
-    def reduces_gradients(self) -> bool:  # the gradient engine runs for the warm-up only
+    def reduces_gradients(self) -> bool:  # type: ignore[override]  # the gradient engine runs for the warm-up only
         return self.warmup_steps > 0
 
     def setup(self, replica: Replica) -> AsyncState:

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ class FlatRound:
         torch._foreach_add_(params, r.delta_views)  # under the lock
     """
 
-    def __init__(self, params, group, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], chunk_bytes: int = CHUNK_BYTES) -> None:
         self.group, self.world, self.chunk_bytes = group, dist.get_world_size(group), chunk_bytes
         kinds: dict = {}
         for i, p in enumerate(params):
@@ -67,10 +67,10 @@ class FlatRound:
         self.wire_bytes = sum(comm.ring_bytes(w.numel() * w.element_size(), self.world) for w in self.wires)
         self.works: list = []
 
-    def ordered(self, params) -> list:
+    def ordered(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [params[i] for i in self.order]
 
-    def snapshot(self, params) -> None:
+    def snapshot(self, params: list[torch.Tensor]) -> None:
         """Copy ``params`` (given in ``self.order``) into the snapshot."""
         torch._foreach_copy_(self.snap_views, params)
 
@@ -111,7 +111,7 @@ class AveragingThread(threading.Thread):
         thread.join()
     """
 
-    def __init__(self, state) -> None:
+    def __init__(self, state: Any) -> None:  # an AsyncState (async_ imports this module)
         super().__init__(name="unison-async-average", daemon=True)
         self.state, self.world = state, dist.get_world_size(state.group)
         self.failure: Optional[tuple[BaseException, str]] = None  # the error and its traceback

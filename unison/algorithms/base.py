@@ -130,8 +130,10 @@ class Algorithm(Generic[S]):
         """Factor applied to local gradients as they are copied into buckets."""
         return 1.0 / world_size
 
-    def reduce_bucket(self, replica: Replica, state: S, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> comm.Waitable:
-        """Start reducing ``bucket.flat`` in place; return something with ``wait()``.
+    def reduce_bucket(
+        self, replica: Replica, state: S, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[comm.Waitable]:
+        """Start reducing ``bucket.flat`` in place; return something with ``wait()`` (None: nothing to wait for).
 
         The default is one asynchronous allreduce (the gradients were scaled by
         ``grad_scale``, so the sum is the average).

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import buckets as bucketing
+from ..replica import Replica
 
 #: Candidate bucket sizes in MiB, besides the model's own ``bucket_cap_mb``.
 CANDIDATES_MB = (1, 4, 10, 25, 64)
@@ -56,7 +57,7 @@ class BucketTuner:
     def forward_started(self) -> None:
         self._start = time.perf_counter()
 
-    def backward_ended(self, replica) -> None:
+    def backward_ended(self, replica: Replica) -> None:
         if self.result is not None:
             return
         now = time.perf_counter()
@@ -79,12 +80,12 @@ class BucketTuner:
         else:
             self._choose(replica)
 
-    def _switch(self, replica, mb: float) -> None:
+    def _switch(self, replica: Replica, mb: float) -> None:
         self._current, self._seen = mb, 0
         self._times[mb] = []
         replica.set_bucket_size(int(mb * bucketing.MB))
 
-    def _distinct_sizes(self, replica) -> list[float]:
+    def _distinct_sizes(self, replica: Replica) -> list[float]:
         """The default size first, then each candidate that buckets the gradients differently."""
         sizes, plans = [], set()
         for mb in [self.default_mb, *sorted(CANDIDATES_MB)]:
@@ -94,7 +95,7 @@ class BucketTuner:
                 sizes.append(mb)
         return sizes
 
-    def _choose(self, replica) -> None:
+    def _choose(self, replica: Replica) -> None:
         """Agree on the fastest size (mean over ranks of each rank's median) and keep it."""
         sizes = list(self._times)
         ms = torch.tensor([1000 * statistics.median(self._times[mb]) for mb in sizes], dtype=torch.float64)

@@ -59,7 +59,7 @@ class Exchange:
         self.parts = self.codec.split(max(1, numel // max(1, part_values)))
         self.buffers = [(p.empty(), p.empty(), p.empty(1)) for p in self.parts]
 
-    def run(self, flat: torch.Tensor, group, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run(self, flat: torch.Tensor, group: Optional[dist.ProcessGroup], residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum ``flat`` across ``group`` in 8 bits, in place (blocking: run it on a CommThread).
 
         ``flat`` holds this rank's share (already divided by the world size).
@@ -68,7 +68,8 @@ class Exchange:
         """
         pad = self.codec.pad_value(flat, residual)
         parts, bufs, count = self.parts, self.buffers, len(self.parts)
-        sent, gathered = [None] * count, [None] * count
+        sent: list[Any] = [None] * count
+        gathered: list[Any] = [None] * count
 
         def send(k: int) -> None:
             parts[k].encode_from(flat, bufs[k][0], feedback=residual, pad=pad)
@@ -93,11 +94,11 @@ def wire_bytes_8bit(numel: int, world: int, chunk_size: int, part_values: int = 
     """Bytes an Exchange sends from one rank: world-1 packed rows of every part in each of its two collectives."""
     if world == 1 or numel == 0:
         return 0
-    codec = MinMax8(numel, rows=world, chunk_size=chunk_size, device="meta")
+    codec = MinMax8(numel, rows=world, chunk_size=chunk_size, device=torch.device("meta"))
     return 2 * (world - 1) * sum(p.row_bytes for p in codec.split(max(1, numel // max(1, part_values))))
 
 
-def bucket_exchange(cache: dict, bucket, world: int, chunk_size: int) -> Exchange:
+def bucket_exchange(cache: dict[Any, Exchange], bucket: Bucket, world: int, chunk_size: int) -> Exchange:
     """The reusable Exchange of ``bucket`` kept in ``cache`` (rebuilt if the bucket changed size)."""
     ex = cache.get(bucket.index)
     if ex is None or ex.codec.numel != bucket.flat.numel() or ex.codec.rows != world:
@@ -157,7 +158,9 @@ class ByteGrad(Algorithm[ByteGradState]):
             state.group, state.thread = open_thread(replica, self.name)
         return state
 
-    def reduce_bucket(self, replica: Replica, state: ByteGradState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
+    def reduce_bucket(
+        self, replica: Replica, state: ByteGradState, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[Waitable]:
         world = dist.get_world_size(group)
         if world == 1 or bucket.flat.numel() == 0:
             return None
@@ -165,7 +168,7 @@ class ByteGrad(Algorithm[ByteGradState]):
             raise TypeError(f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}")
         residual = state.residuals.get(bucket) if state.residuals is not None else None
         ex = bucket_exchange(state.exchanges, bucket, world, self.chunk_size)
-        return state.thread.submit(ex.run, bucket.flat, state.group, residual)
+        return state.running_thread().submit(ex.run, bucket.flat, state.group, residual)
 
     def bucket_wire_bytes(self, replica: Replica, state: ByteGradState, bucket: Bucket, world_size: int) -> int:
         return wire_bytes_8bit(bucket.flat.numel(), world_size, self.chunk_size)

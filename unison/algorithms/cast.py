@@ -42,13 +42,15 @@ class CastAllReduce(Algorithm[CastState]):
     def setup(self, replica: Replica) -> CastState:
         return CastState()
 
-    def _wire_buffer(self, state: CastState, bucket) -> torch.Tensor:
+    def _wire_buffer(self, state: CastState, bucket: Bucket) -> torch.Tensor:
         buf = state.wire.get(bucket.index)
         if buf is None or buf.numel() != bucket.flat.numel() or buf.device != bucket.flat.device:
             buf = state.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
         return buf
 
-    def reduce_bucket(self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
+    def reduce_bucket(
+        self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[Waitable]:
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
         wire = self._wire_buffer(state, bucket)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..engine.codecs import WIRE_DTYPES, wire_dtype
 from ..replica import Replica
@@ -116,7 +117,7 @@ class DASO(Algorithm[DASOState]):
     def release(self, replica: Replica, state: DASOState) -> None:
         state.transport.inflight = None  # no waiting: the peers may be gone
 
-    def gradient_group(self, replica: Replica, state: DASOState) -> None:
+    def gradient_group(self, replica: Replica, state: DASOState) -> Optional[dist.ProcessGroup]:
         """The node: gradients are averaged inside it only (None with one process per node)."""
         return state.transport.grad_group
 

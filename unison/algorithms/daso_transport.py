@@ -8,12 +8,13 @@ Syncs travel in flat buffers, cast slice by slice through a small scratch. See d
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..engine import comm
+from ..replica import Replica
 from .state import State
 
 SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch stays in cache)
@@ -32,7 +33,7 @@ class Sync(comm.Finished):
         return super().wait()
 
 
-def sliced(fn, *flats: torch.Tensor) -> None:
+def sliced(fn: Callable[..., Any], *flats: torch.Tensor) -> None:
     """``fn(*slices)`` over consecutive slices of at most SLICE elements of equally long 1-D tensors."""
     for i in range(0, flats[0].numel(), SLICE):
         fn(*(f[i : i + SLICE] for f in flats))
@@ -63,8 +64,9 @@ class Transport:
     )
 
     def __init__(
-        self, params, grad_group=None, intra=None, inter=None, local_rank: int = 0, local_size: int = 1,
-        nodes: int = 1, wire: Optional[torch.dtype] = None, chunk_elems: int = 10_000_000,
+        self, params: Sequence[torch.Tensor], grad_group: Optional[dist.ProcessGroup] = None,
+        intra: Optional[dist.ProcessGroup] = None, inter: Optional[dist.ProcessGroup] = None,
+        local_rank: int = 0, local_size: int = 1, nodes: int = 1, wire: Optional[torch.dtype] = None, chunk_elems: int = 10_000_000,
     ) -> None:
         self.params: list[torch.Tensor] = list(params)
         self.grad_group, self.intra, self.inter = grad_group, intra, inter
@@ -73,10 +75,11 @@ class Transport:
         self.inflight: Any = None  # this rank's sync in flight (something with wait())
         self.relative = False  # whether it carries differences from the anchor
         self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
-        self.meter, self.buffers = State(), {}  # meter counts bytes sent (DASO's state); buffers: Transport.flat
+        self.meter = State()  # counts the bytes sent (DASO gives its state)
+        self.buffers: dict[Any, Any] = {}  # Transport.flat's, by dtype
 
     @classmethod
-    def build(cls, replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
+    def build(cls, replica: Replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
         """Private copies of the node's group (gradients, broadcasts) and of this rank's inter-node group."""
         params = [p for _, p in replica.trainable]
         if replica.group is None:
@@ -100,7 +103,9 @@ class Transport:
             return self.buffers[dtype]
         kind_of = [(p.dtype, p.device) for p in self.params]
         kinds = {k: [i for i, ki in enumerate(kind_of) if ki == k] for k in dict.fromkeys(kind_of)}
-        flats, views, scratches = [], [None] * len(self.params), [None] * len(self.params)
+        flats: list[torch.Tensor] = []
+        views: list[Any] = [None] * len(self.params)
+        scratches: list[Any] = [None] * len(self.params)
         for (kind, device), idx in kinds.items():
             sizes = [self.params[i].numel() for i in idx]
             flats.append(torch.empty(sum(sizes), dtype=dtype or kind, device=device))
@@ -119,7 +124,7 @@ class Transport:
         with torch.no_grad():
             if not relative:
                 torch._foreach_copy_(views, [p.detach() for p in self.params])
-            for p, v, a, s in zip(self.params, views, self.anchor if relative else (), scratches):  # p - anchor, cast
+            for p, v, a, s in zip(self.params, views, (self.anchor or []) if relative else [], scratches):  # p - anchor, cast
                 sliced(lambda w, x, y: w.copy_(torch.sub(x, y, out=s[: x.numel()])), v.view(-1), p.reshape(-1), a.reshape(-1))
             parts = [part for f in flats for part in f.div_(world).split(self.chunk_elems)]
         works = [comm.start(dist.all_reduce, part, group=self.inter) for part in parts]
@@ -132,7 +137,7 @@ class Transport:
         values, self.inflight = self.inflight.wait(), None
         if self.relative:  # anchor += the average difference, cast back slice by slice
             with torch.no_grad():
-                for a, d, s in zip(self.anchor, values, self.flat(self.wire)[2]):
+                for a, d, s in zip(self.anchor or [], values, self.flat(self.wire)[2]):
                     sliced(lambda x, y: x.add_(s[: y.numel()].copy_(y)), a.view(-1), d.reshape(-1))
             values = self.anchor
         if self.wire is not None:
@@ -171,7 +176,7 @@ class Transport:
         if self.local_rank == local_rank:
             self.meter.bytes_sent += (self.local_size - 1) * sum(p.numel() * p.element_size() for p in self.params)
 
-    def mean_loss(self, loss: Optional[float], group) -> Optional[float]:
+    def mean_loss(self, loss: Optional[float], group: Optional[dist.ProcessGroup]) -> Optional[float]:
         """The epoch's loss averaged over ``group``'s ranks that gave one (None if none did)."""
         if group is None:
             return loss

@@ -165,7 +165,7 @@ class DiLoCo(Streamed[DiLoCoState]):
                 numel = sum(t.numel() for t in tensors) if self.wire_dtype == "int8" else 0
                 feedback = state.feedback.setdefault(f, torch.zeros(numel, device=tensors[0].device)) if numel else None
                 pending = average_async(tensors, state.group, self.wire_dtype, feedback)
-        state.bytes_sent += pending.wire_bytes  # type: ignore[attr-defined]
+        state.bytes_sent += pending.wire_bytes
         return pending, at_launch
 
     def merge(self, replica: Replica, state: DiLoCoState, fragment: int, result: Any, extra: Any) -> None:

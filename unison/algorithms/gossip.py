@@ -3,6 +3,8 @@ flat buffers, and point-to-point exchanges ("decentralized", "low_precision_dece
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -39,7 +41,7 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
 class FlatParams:
     """The trainable parameters of one dtype and device, copied to and from one reusable flat buffer."""
 
-    def __init__(self, names: list[str], params: list[torch.nn.Parameter]):
+    def __init__(self, names: list[str], params: Sequence[torch.Tensor]) -> None:
         self.names = names
         self.params = params
         self.numel = sum(p.numel() for p in params)
@@ -85,15 +87,10 @@ class FlatParams:
             view.copy_(value)
 
 
-def flat_params(module: torch.nn.Module) -> list[FlatParams]:
-    """The module's trainable parameters grouped by dtype and device, in registration order."""
-    return flat_params_of(module.named_parameters())
-
-
-def flat_params_of(named_parameters) -> list[FlatParams]:
+def flat_params_of(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[FlatParams]:
     """The trainable ones of ``(name, parameter)`` pairs (``replica.named_parameters``), grouped
     by dtype and device, in the order given."""
-    groups: dict[tuple, tuple[list[str], list[torch.nn.Parameter]]] = {}
+    groups: dict[tuple[Any, ...], tuple[list[str], list[torch.Tensor]]] = {}
     for name, p in named_parameters:
         if p.requires_grad:
             names, params = groups.setdefault((p.dtype, p.device), ([], []))
@@ -102,7 +99,9 @@ def flat_params_of(named_parameters) -> list[FlatParams]:
     return [FlatParams(names, params) for names, params in groups.values()]
 
 
-def exchange(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group, wait: bool = True) -> list:
+def exchange(
+    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group: Optional[dist.ProcessGroup], wait: bool = True
+) -> list[Any]:
     """Send and receive (tensor, group rank, tag) triples point to point, and wait for all of them
     (``wait=False``: return their works instead).
 

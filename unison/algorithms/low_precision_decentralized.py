@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..engine.codecs import MinMax8
@@ -43,7 +44,7 @@ class Copies:
         self.received = [self.codec.empty() for _ in neighbours]
         self.mix = flat.like()
 
-    def decoded(self, message):
+    def decoded(self, message: torch.Tensor) -> torch.Tensor:
         """The difference ``message`` carries (a view of the codec's buffer, valid until the next call)."""
         return self.codec.decode(message).view(-1)[: self.flat.numel]
 
@@ -69,7 +70,8 @@ class LowPrecisionState(StreamedState):
         """Step count, public copy and replicas (by neighbour rank), per parameter name."""
         if not self.copies:
             return {"steps": self.count.steps, **self.loaded}
-        public, replicas = {}, {peer: {} for peer in self.neighbours}
+        public: dict[str, torch.Tensor] = {}
+        replicas: dict[int, dict[str, torch.Tensor]] = {peer: {} for peer in self.neighbours}
         for c in self.copies:
             public.update(c.flat.by_name(c.public))
             for peer, replica in zip(self.neighbours, c.replicas):
@@ -83,7 +85,7 @@ class LowPrecisionState(StreamedState):
         if unknown:
             raise ValueError(f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas, in_flight")
         self.count.steps = int(state["steps"])
-        loaded = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
+        loaded: dict[str, Any] = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
         if not self.copies:
             self.loaded = loaded
             return
@@ -125,7 +127,8 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         if not replica.distributed:
             return LowPrecisionState(count, replica.rank)
         neighbours = ring_neighbours(replica.rank, replica.world_size)
-        copies, fragments = [], []
+        copies: list[Copies] = []
+        fragments: list[list[int]] = []
         for piece in fragments_of(replica.trainable, self.schedule().fragments):
             flats = flat_params_of(piece)
             fragments.append(list(range(len(copies), len(copies) + len(flats))))
@@ -156,11 +159,11 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]
             c.public.add_(c.decoded(sent))
-            for replica, message in zip(c.replicas, received):
-                replica.add_(c.decoded(message))
+            for copy, message in zip(c.replicas, received):
+                copy.add_(c.decoded(message))
             c.mix.copy_(c.public)
-            for replica in c.replicas:
-                c.mix.add_(replica)
+            for copy in c.replicas:
+                c.mix.add_(copy)
             c.mix.div_(len(c.replicas) + 1)
             if state.late:
                 c.flat.add_to_params(c.mix.sub_(x0))

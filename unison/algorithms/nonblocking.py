@@ -17,7 +17,8 @@ applied by ``model.eval()``, ``model.state_dict()``, ``switch_to()`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree
@@ -29,7 +30,7 @@ from .allreduce import AllReduce, AllReduceState
 class _Pending:
     """One optimizer's deferred step: its hyperparameters then, what is done, and a deferred zero_grad."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self.done: set[int] = set()
         self.zero: Optional[bool] = None  # set_to_none of a deferred zero_grad
@@ -43,10 +44,10 @@ class NonBlockingState(AllReduceState):
     def __init__(self, base: AllReduceState) -> None:
         super().__init__(base.tuner, base.hierarchy)
         self.pending: dict[int, _Pending] = {}
-        self.originals: dict[int, tuple] = {}
+        self.originals: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
-class NonBlocking(AllReduce):
+class NonBlocking(AllReduce[NonBlockingState]):
     """Gradient averaging whose updates land layer by layer at the next forward (HeAT's non-blocking mode).
 
     Example::
@@ -64,19 +65,21 @@ class NonBlocking(AllReduce):
                 "nonblocking applies each layer's update just before that layer's next forward, so it needs the "
                 "optimizer(s): DataParallel(module, optimizer=opt, algorithm='nonblocking')"
             )
-        state = NonBlockingState(super().setup(replica))
+        state = NonBlockingState(self.base_state(replica))
         for opt in replica.optimizers:
             state.originals[id(opt)] = replica.replace_optimizer_methods(
-                opt, lambda o, closure, s=state: self._deferred_step(replica, s, o, closure), lambda o, set_to_none=True, s=state: self._deferred_zero_grad(s, o, set_to_none)
+                opt, partial(self._deferred_step, replica, state), partial(self._deferred_zero_grad, state)
             )
         for m in replica.modules:
             params = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if params:
-                replica.on_forward(m, lambda params=params: self._layer_hook(replica, state, params))
+                replica.on_forward(m, partial(self._layer_hook, replica, state, params))
         return state
 
     # ---- what the user's calls now do ---------------------------------
-    def _deferred_step(self, replica: Replica, state: NonBlockingState, opt, closure) -> None:
+    def _deferred_step(
+        self, replica: Replica, state: NonBlockingState, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]]
+    ) -> None:
         """Record the step instead of taking it (the real one runs layer by layer later)."""
         if closure is not None:
             raise ValueError("nonblocking cannot defer an optimizer step with a closure")
@@ -84,7 +87,7 @@ class NonBlocking(AllReduce):
             self.flush(replica, state)
         state.pending[id(opt)] = _Pending(opt)
 
-    def _deferred_zero_grad(self, state, opt, set_to_none: bool = True) -> None:
+    def _deferred_zero_grad(self, state: NonBlockingState, opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         pending = state.pending.get(id(opt))
         if pending is None:
             state.originals[id(opt)][1](set_to_none=set_to_none)
@@ -120,13 +123,12 @@ class NonBlocking(AllReduce):
             )
         self.flush(replica, state)
 
-    def _layer_hook(self, replica: Replica, state: NonBlockingState, params) -> None:
+    def _layer_hook(self, replica: Replica, state: NonBlockingState, params: list[torch.nn.Parameter]) -> None:
         if state.pending or replica.in_flight:
             self._apply(replica, state, params)
 
-    def _apply(self, replica: Replica, state: NonBlockingState, params) -> None:
-        buckets = {replica.bucket_of(p) for p in params}
-        buckets.discard(None)
+    def _apply(self, replica: Replica, state: NonBlockingState, params: list[torch.nn.Parameter]) -> None:
+        buckets = {b for b in (replica.bucket_of(p) for p in params) if b is not None}
         replica.complete(sorted(buckets))
         for opt in replica.optimizers:
             pending = state.pending.get(id(opt))
@@ -139,10 +141,13 @@ class NonBlocking(AllReduce):
             if len(pending.done) == len(mine):
                 del state.pending[id(opt)]
 
-    def _step_only(self, state, opt, pending: _Pending, params) -> None:
+    def _step_only(
+        self, state: NonBlockingState, opt: torch.optim.Optimizer, pending: _Pending, params: list[torch.nn.Parameter]
+    ) -> None:
         """Run ``opt``'s real step on ``params`` alone, with the hyperparameters of its step() call."""
         chosen = {id(p) for p in params}
-        hidden, saved = [], []
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        saved: list[dict[str, Any]] = []
         for group, hyper in zip(opt.param_groups, pending.hyper):
             saved.append({k: group[k] for k in hyper})
             group.update(hyper)
@@ -181,10 +186,12 @@ class NonBlocking(AllReduce):
             del state.pending[id(opt)]
 
 
-def _graph_leaves(output) -> list[torch.Tensor]:
+def _graph_leaves(output: Any) -> list[torch.Tensor]:
     """The parameters (autograd leaves) that ``output`` was computed from."""
     roots = [t.grad_fn for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, leaves, stack = set(), [], roots
+    seen: set[Any] = set()
+    leaves: list[torch.Tensor] = []
+    stack: list[Any] = list(roots)
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:

@@ -30,10 +30,10 @@ class Option:
         self.aliases = tuple(aliases)
         self.name = ""
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance, owner=None):
+    def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
         if instance is None:
             return self
         return self.convert(instance._values[self.name])
@@ -122,7 +122,7 @@ class Choice(Option):
         return self._convert(value) if self._convert is not None else value
 
 
-def declared(cls) -> dict[str, Option]:
+def declared(cls: type) -> dict[str, Option]:
     """The options of an algorithm class, inherited ones included, in declaration order."""
     out: dict[str, Option] = {}
     for klass in reversed(cls.__mro__):

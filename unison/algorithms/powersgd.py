@@ -10,7 +10,7 @@ CommThread over a private group. See docs/algorithms.md#powersgd.
 from __future__ import annotations
 
 import zlib
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class BucketPlan(NamedTuple):
     q_numel: int
 
 
-def plan_bucket(params, rank: int, min_rate: float) -> BucketPlan:
+def plan_bucket(params: Sequence[torch.Tensor], rank: int, min_rate: float) -> BucketPlan:
     """Split a bucket's parameters into compressed matrices and plain tensors."""
     compressed, plain, shapes = [], [], []
     for i, p in enumerate(params):
@@ -119,10 +119,12 @@ class PowerSGD(Algorithm[PowerSGDState]):
         """Whether the current backward pass compresses (the warm-up is over)."""
         return state.passes >= self.start_iter
 
-    def reduce_bucket(self, replica: Replica, state: PowerSGDState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
+    def reduce_bucket(
+        self, replica: Replica, state: PowerSGDState, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[Waitable]:
         if not self.compressing(state):
             return comm.start(dist.all_reduce, bucket.flat, group=group)
-        return state.thread.submit(self._compressed_reduce, state, bucket, self._plan(state, bucket), state.passes)
+        return state.running_thread().submit(self._compressed_reduce, state, bucket, self._plan(state, bucket), state.passes)
 
     def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
         if not self.compressing(state):
@@ -134,20 +136,24 @@ class PowerSGD(Algorithm[PowerSGDState]):
     def after_backward(self, replica: Replica, state: PowerSGDState) -> None:
         state.passes += 1
 
-    def _plan(self, state: PowerSGDState, bucket) -> BucketPlan:
+    def _plan(self, state: PowerSGDState, bucket: Bucket) -> BucketPlan:
         key = tuple(bucket.names)
         if key not in state.plans:
             state.plans[key] = plan_bucket(bucket.params, self.rank, self.min_compression_rate)
         return state.plans[key]
 
-    def _q(self, state: PowerSGDState, name: str, cols: int, step: int, dtype, device) -> torch.Tensor:
+    def _q(
+        self, state: PowerSGDState, name: str, cols: int, step: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """The start of this step's power iteration for parameter ``name``."""
         q = state.qs.get(name) if self.warm_start else None
         if q is None or q.shape != (cols, self.rank):
             q = initial_q(name, cols, self.rank, 0 if self.warm_start else step, dtype, device)
         return q.to(dtype=dtype, device=device)
 
-    def _buffers(self, state: PowerSGDState, bucket, plan: BucketPlan, dtype) -> tuple[torch.Tensor, LowRank]:
+    def _buffers(
+        self, state: PowerSGDState, bucket: Bucket, plan: BucketPlan, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, LowRank]:
         """The bucket's reusable first message (plain tensors, then the P's) and its factors."""
         key = tuple(bucket.names)
         if key not in state.buffers or state.buffers[key][0].dtype != dtype:
@@ -155,7 +161,7 @@ class PowerSGD(Algorithm[PowerSGDState]):
             state.buffers[key] = (first, LowRank(plan.shapes, self.rank, first[plan.plain_numel :]))
         return state.buffers[key]
 
-    def _compressed_reduce(self, state: PowerSGDState, bucket, plan: BucketPlan, step: int) -> None:
+    def _compressed_reduce(self, state: PowerSGDState, bucket: Bucket, plan: BucketPlan, step: int) -> None:
         """On the CommThread: add the residuals, exchange P's (with the plain tensors) then Q's, write P Q^T back."""
         residual = state.residuals.get(bucket)
         bucket.flat.add_(residual)

@@ -82,7 +82,9 @@ class QAdam(Algorithm[QAdamState]):
             )
         return QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed else ()))
 
-    def reduce_bucket(self, replica: Replica, state: QAdamState, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Waitable:
+    def reduce_bucket(
+        self, replica: Replica, state: QAdamState, bucket: Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[Waitable]:
         world, opt = dist.get_world_size(group), state.optimizer
         state.compressing = world > 1 and not opt.warming_up and bucket.flat.numel() > 0
         if not state.compressing:
@@ -101,7 +103,7 @@ class QAdam(Algorithm[QAdamState]):
         bucket.flat.mul_(inverse)  # 0 where the denominator is 0
         opt.grads_hold_momentum = True
         exchange = bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE)
-        return state.thread.submit(_average, exchange, bucket.flat, state.group, momentum, denom)
+        return state.running_thread().submit(_average, exchange, bucket.flat, state.group, momentum, denom)
 
     def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
         if state.compressing:
@@ -109,7 +111,7 @@ class QAdam(Algorithm[QAdamState]):
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
 
 
-def _average(exchange, flat: torch.Tensor, group, momentum: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+def _average(exchange: Any, flat: torch.Tensor, group: Optional[dist.ProcessGroup], momentum: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
     """On the CommThread: average the update directions in 8 bits, then turn them back into momenta.
 
     Dividing by the frozen denominator (the same on every rank) commutes with
@@ -121,7 +123,7 @@ def _average(exchange, flat: torch.Tensor, group, momentum: torch.Tensor, denom:
     return flat
 
 
-def _denominator(state: QAdamState, bucket) -> tuple[torch.Tensor, torch.Tensor]:
+def _denominator(state: QAdamState, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket, and its inverse.
 
     Both are 0 where the variance is 0 (those coordinates never move after
@@ -152,7 +154,7 @@ def _denominator(state: QAdamState, bucket) -> tuple[torch.Tensor, torch.Tensor]
     return denom, inverse
 
 
-def _seed(state: QAdamState, bucket, momentum: torch.Tensor) -> None:
+def _seed(state: QAdamState, bucket: Bucket, momentum: torch.Tensor) -> None:
     """At the end of warm-up, start each parameter's momentum from the optimizer's exp_avg."""
     fresh = [i for i, name in enumerate(bucket.names) if name not in state.seeded]
     if not fresh:
@@ -165,7 +167,7 @@ def _seed(state: QAdamState, bucket, momentum: torch.Tensor) -> None:
         state.seeded.add(bucket.names[i])
 
 
-def _beta1(opt: QAdamOptimizer, bucket) -> Union[float, torch.Tensor]:
+def _beta1(opt: QAdamOptimizer, bucket: Bucket) -> Union[float, torch.Tensor]:
     """The optimizer's beta1 for the bucket: one number, or per element when groups differ."""
     by_param = {id(p): group["betas"][0] for group in opt.param_groups for p in group["params"]}
     betas = [float(by_param[id(p)]) for p in bucket.params]

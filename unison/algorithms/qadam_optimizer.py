@@ -36,7 +36,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params,
+        params: Any,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,

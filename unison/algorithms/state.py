@@ -44,6 +44,12 @@ class ThreadedState(State):
         super().__init__()
         self.group, self.thread = group, thread
 
+    def running_thread(self) -> comm.CommThread:
+        """The thread (only a distributed replica has one: it reduces nothing alone)."""
+        if self.thread is None:
+            raise RuntimeError(f"{type(self).__name__} has no communication thread: the replica is alone or closed")
+        return self.thread
+
     def close(self) -> None:
         if self.thread is not None:
             self.thread.close()

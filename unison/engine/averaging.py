@@ -10,7 +10,7 @@ are divided by the world size before the sum so fp16 cannot overflow.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -100,11 +100,19 @@ class AsyncQuantizedAverage:
         return [v.to(t.dtype) for t, v in zip(self._tensors, split(total, self._tensors))]
 
 
-def average_async(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire: "torch.dtype | str | None" = None, feedback: Optional[torch.Tensor] = None):
-    """``AsyncQuantizedAverage`` for the wire ``"int8"`` (with ``feedback``), else ``AsyncAverage`` in ``wire``'s dtype."""
-    if wire == "int8":
+def average_async(
+    tensors: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    wire_dtype: Union[torch.dtype, str, None] = None,
+    feedback: Optional[torch.Tensor] = None,
+) -> Union["AsyncAverage", "AsyncQuantizedAverage"]:
+    """An average in flight: ``AsyncQuantizedAverage`` when ``wire_dtype`` is ``"int8"`` (8-bit
+    codes with ``feedback``), else ``AsyncAverage`` in that dtype (None: the tensors' own)."""
+    if isinstance(wire_dtype, str):
+        if wire_dtype != "int8":
+            raise ValueError(f"wire_dtype must be a torch dtype, 'int8' or None, got {wire_dtype!r}")
         return AsyncQuantizedAverage(tensors, group, feedback)
-    return AsyncAverage(tensors, group, wire)
+    return AsyncAverage(tensors, group, wire_dtype)
 
 
 def average_(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire_dtype: Optional[torch.dtype] = None) -> int:
@@ -121,7 +129,7 @@ def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Process
     average_(tensors, group)
 
 
-def average_optimizer_states(optimizers, group) -> int:
+def average_optimizer_states(optimizers: Sequence[torch.optim.Optimizer], group: Optional[dist.ProcessGroup]) -> int:
     """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
 
     Training on local gradients leaves them different on every rank, so

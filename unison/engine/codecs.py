@@ -21,7 +21,7 @@ operation (several times faster on CPU), and needs no buffer of the input's size
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -165,7 +165,7 @@ class MinMax8:
         mins, scales, codes = self.parts(packed)
         return decode_(codes, mins, scales, self.values[: packed.shape[0]] if out is None else out)
 
-    def _block(self, x: torch.Tensor, block, work: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _block(self, x: torch.Tensor, block: tuple[int, int, int, int, int], work: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """One block of the flat ``x`` as ``[c, size]``: a view if it is whole float32 values, else
         copied into ``work`` and padded with ``pad``. Also whether it is a view."""
         _, _, c, start, real = block
@@ -300,7 +300,7 @@ def minmax_bytes(numel: int, chunks: int) -> int:
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def wire_dtype(value) -> "torch.dtype | None":
+def wire_dtype(value: object) -> "torch.dtype | None":
     """The wire dtype named by ``value`` (a name of ``WIRE_DTYPES`` or one of its dtypes), else None."""
     if isinstance(value, torch.dtype):
         return value if value in WIRE_DTYPES.values() else None
@@ -331,7 +331,7 @@ class LowRank:
     on blocks of rows that stay in cache between its two products.
     """
 
-    def __init__(self, shapes, rank: int, p_flat: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, shapes: Sequence[tuple[int, int]], rank: int, p_flat: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.shapes, self.rank = [tuple(s) for s in shapes], rank
         if p_flat is None:
             p_flat = torch.empty(sum(n for n, _ in self.shapes) * rank, dtype=dtype, device=device)
@@ -347,7 +347,7 @@ class LowRank:
     def _transposed(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return [t.view(self.rank, k) for t, k in zip(flat.split([k * self.rank for k in sizes]), sizes)]
 
-    def compute_p(self, mats) -> None:
+    def compute_p(self, mats: Sequence[torch.Tensor]) -> None:
         """P = M Q for each matrix (as P^T = Q^T M^T)."""
         for mat, pt, qt in zip(mats, self.pts, self.qts):
             torch.mm(qt, mat.t(), out=pt)
@@ -357,13 +357,13 @@ class LowRank:
         for p in self.ps:
             p.copy_(orthogonalize(p))
 
-    def compute_q(self, mats) -> None:
+    def compute_q(self, mats: Sequence[torch.Tensor]) -> None:
         """Q = M^T P for each matrix (as Q^T = P^T M), also kept in ``q_local``."""
         for mat, pt, qt in zip(mats, self.pts, self.qts):
             torch.mm(pt, mat, out=qt)
         self.q_local.copy_(self.q_flat)
 
-    def finish(self, mats, residuals=None) -> None:
+    def finish(self, mats: Sequence[torch.Tensor], residuals: Optional[Sequence[torch.Tensor]] = None) -> None:
         """``residual = M - P Q_local^T`` (with ``residuals``), then ``M = P Q^T``, for each matrix."""
         for k, (mat, p, qt) in enumerate(zip(mats, self.ps, self.qts)):
             step = max(1, FINISH_BLOCK // max(1, mat.shape[1]))

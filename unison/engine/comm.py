@@ -14,7 +14,6 @@ import torch.distributed as dist
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from .buckets import MB
 
-
 # The most recent works stay referenced from Python. A work whose last reference
 # is dropped by gloo's worker thread needs the GIL to die; if that happens while
 # the interpreter is exiting, the process aborts ("terminate called without an
@@ -49,7 +48,8 @@ def chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.T
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     out: list[list[torch.Tensor]] = []
     for group in by_kind.values():
-        current, size = [], 0
+        current: list[torch.Tensor] = []
+        size = 0
         for t in group:
             nbytes = t.numel() * t.element_size()
             if current and size + nbytes > cap_bytes:
@@ -85,7 +85,7 @@ class AsyncBroadcast:
     """A coalesced broadcast from group rank ``source`` (default the first), started now
     and written back by ``finish()``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], source: int = 0):
+    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], source: int = 0) -> None:
         self._parts = []
         src = src_rank(group, source)
         for chunk in chunks(tensors, 25 * MB):
@@ -154,10 +154,10 @@ class Waitable(Protocol):
 class Pending:
     """A result still being computed on a CommThread; ``wait()`` returns it or re-raises its error."""
 
-    def __init__(self, future: concurrent.futures.Future):
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
         self._future = future
 
-    def wait(self):
+    def wait(self) -> Any:
         return self._future.result()
 
     def is_completed(self) -> bool:
@@ -170,10 +170,10 @@ class Finished:
 
     wire_bytes = 0
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any) -> None:
         self._value = value
 
-    def wait(self):
+    def wait(self) -> Any:
         return self._value
 
     def is_completed(self) -> bool:
@@ -191,10 +191,10 @@ class CommThread:
     thread's on the same group.
     """
 
-    def __init__(self, name: str = "unison-comm"):
+    def __init__(self, name: str = "unison-comm") -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
-    def submit(self, fn: Callable, *args: Any) -> Pending:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
         return Pending(self._pool.submit(fn, *args))
 
     def close(self) -> None:

@@ -26,11 +26,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
-from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
-from . import buckets as bucketing
 from ..runtime import health
+from . import buckets as bucketing
 from . import comm, nonfinite
 from .comm import src_rank, start
 
@@ -42,7 +42,7 @@ class Questions(Protocol):
 
     def grad_scale(self, world_size: int) -> float: ...
 
-    def reduce_bucket(self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]) -> comm.Waitable: ...
+    def reduce_bucket(self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]) -> Optional[comm.Waitable]: ...
 
     def bucket_wire_bytes(self, bucket: bucketing.Bucket, world_size: int) -> int: ...
 
@@ -150,7 +150,8 @@ class GradReducer:
         self._rank = dist.get_rank(group) if group is not None else 0
         self._bad: Optional[int] = None
         self._unfinished = False
-        self._has = self._flags = None
+        self._has: Optional[list[bool]] = None
+        self._flags: Optional[tuple[torch.Tensor, Any]] = None  # the has-a-gradient flags and their work
         self._waiting: dict[int, tuple[bucketing.Bucket, Any]] = {}
         self._sync = self._local_sync = True
         self._in_pass = False
@@ -215,8 +216,8 @@ class GradReducer:
         if groups != [b.indices for b in self.buckets]:
             self._set_buckets(groups)
 
-    def _make_hook(self, i: int):
-        def hook(_param):
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
             self._on_grad(i)
 
         return hook
@@ -240,7 +241,7 @@ class GradReducer:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(self._on_output_grad)
 
-    def _on_output_grad(self, _grad):
+    def _on_output_grad(self, _grad: torch.Tensor) -> None:
         self._start_pass()
 
     def _start_pass(self) -> None:
@@ -386,12 +387,12 @@ class GradReducer:
             for i in b.indices:
                 if self._delayed or not self._fired[i]:
                     has[i] = self._adopt(i)
-        for b in range(first_unlaunched, len(self.buckets)):
+        for k in range(first_unlaunched, len(self.buckets)):
             if self.reduce_function is not None:
-                self._screen(self.buckets[b])
-                self.reduce_function(self.buckets[b].views, self.group)
+                self._screen(self.buckets[k])
+                self.reduce_function(self.buckets[k].views, self.group)
             else:
-                self._launch(b)
+                self._launch(k)
         self._has = has
         self._flags = None
         if self.group is None:
@@ -466,7 +467,7 @@ class GradReducer:
                     bad = (rank, self.names[index])
         if self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
             used_anywhere = [True] * n
-        for i, local in enumerate(self._has):
+        for i, local in enumerate(self._has or []):
             if not local and used_anywhere[i]:
                 self.params[i].grad = self._views[i]
         self._flags = self._has = None

@@ -15,7 +15,7 @@ import functools
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -37,7 +37,7 @@ class RankFailure(RuntimeError):
 class Heartbeat:
     """This rank's heartbeat: a daemon thread writing ``time progress`` every INTERVAL_S."""
 
-    def __init__(self, store, rank: int, world: int):
+    def __init__(self, store: dist.Store, rank: int, world: int) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.progress = 0
         self._stop = threading.Event()
@@ -158,12 +158,12 @@ def explain(exc: BaseException, what: str) -> BaseException:
     return exc
 
 
-def translated(what: str) -> Callable:
+def translated(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: a peer failure inside the call becomes a RankFailure naming the rank."""
 
-    def wrap(fn: Callable) -> Callable:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
-        def call(*args, **kwargs):
+        def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:

@@ -108,9 +108,10 @@ def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if "MASTER_ADDR" not in env and nodelist:
             addr = first_host(nodelist)
-        if port is None and _int(env, "SLURM_JOB_ID") is not None:
+        job = _int(env, "SLURM_JOB_ID")
+        if port is None and job is not None:
             # One port per job, so two jobs sharing a first node do not collide.
-            port = 20000 + _int(env, "SLURM_JOB_ID") % 20000
+            port = 20000 + job % 20000
     else:
         return LaunchInfo(0, 1, 0, 1, addr, port or DEFAULT_PORT, "none")
 
@@ -182,7 +183,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _apply_simulated_nodes(rank: int, world: int, local_rank: int, local_world: int, nodes: Optional[int]):
+def _apply_simulated_nodes(
+    rank: int, world: int, local_rank: int, local_world: int, nodes: Optional[int]
+) -> tuple[int, int]:
     if not nodes:
         return local_rank, local_world
     if nodes < 1 or world % nodes:
@@ -204,7 +207,7 @@ def _build_groups(topo: Topology) -> None:
     topo.inter_node_groups = all_inter
 
 
-def _attempt_store(timeout: Optional[datetime.timedelta]):
+def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
     """Under torchrun's shared rendezvous store, a store private to this restart attempt.
 
     torchrun keeps one store across restarts; a group started on it again reads
@@ -275,12 +278,11 @@ def init(
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
-        kwargs = {"timeout": timeout} if timeout is not None else {}
         store = _attempt_store(timeout)
         if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, **kwargs)
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
 
     local_rank, local_world = _apply_simulated_nodes(rank, world, local_rank, local_world, nodes)
     if world % local_world:
