@@ -27,3 +27,28 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def algorithm(text: str) -> str:
+    """An argparse type for ``NAME`` or ``NAME:key=value,...``, the syntax of ``unison bench --contenders``.
+
+    The algorithm is built once here (``unison.algorithms.create``), so an unknown
+    name or a bad option is refused before any process starts, with the names listed.
+
+    Example::
+
+        >>> algorithm("powersgd:rank=2")
+        'powersgd:rank=2'
+    """
+    from .. import algorithms
+
+    names = ", ".join(algorithms.names())
+    name = text.partition(":")[0].strip()
+    if name not in algorithms.names():
+        raise argparse.ArgumentTypeError(f"unknown algorithm {name!r}; choose from {names} "
+                                         "(with options: NAME:key=value,..., e.g. powersgd:rank=2)")
+    try:
+        algorithms.create(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc} (algorithms: {names})") from None
+    return text.strip()

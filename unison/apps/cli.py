@@ -12,7 +12,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .. import algorithms
-from .argtypes import non_negative_int, positive_float, positive_int
+from .argtypes import algorithm, non_negative_int, positive_float, positive_int
 
 
 def add_train_parser(subparsers) -> None:
@@ -28,7 +28,9 @@ def add_train_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=positive_int, default=defaults.nproc, help="worker processes")
-    p.add_argument("--algorithm", choices=algorithms.names(), default=defaults.algorithm, help="how replicas agree")
+    p.add_argument("--algorithm", type=algorithm, default=defaults.algorithm, metavar="NAME[:KEY=VALUE,...]",
+                   help="how replicas agree, with options if you like (powersgd:rank=2): "
+                   + ", ".join(algorithms.names()))
     p.add_argument("--epochs", type=positive_int, default=defaults.epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="samples per step on each rank")
     p.add_argument("--lr", type=positive_float, default=defaults.lr, help="SGD learning rate")

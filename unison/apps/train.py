@@ -23,13 +23,14 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import unison
+from unison import algorithms
 from unison.runtime import free_port
 
 from .workloads.digits import Digits, load_data  # noqa: F401  (the job's data)
@@ -45,7 +46,7 @@ class TrainConfig:
     """What a worker needs to train; plain values only, so it pickles."""
 
     nproc: int = 2
-    algorithm: str = "allreduce"
+    algorithm: str = "allreduce"  # a name, or name:key=value,... (``unison.algorithms.parse``)
     epochs: int = 20
     batch_size: int = 32
     lr: float = 0.05
@@ -241,10 +242,10 @@ def worker(config: TrainConfig) -> Optional[dict[str, Any]]:
         unison.shutdown()
 
 
-def build_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
-    """SGD with momentum; "qadam" runs only with its own optimizer, with its own step size
-    and warm-up (``config.lr`` is SGD's)."""
-    if config.algorithm == "qadam":
+def build_optimizer(config: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum; "qadam" (with or without options) runs only with its own optimizer, with its
+    own step size and warm-up (``config.lr`` is SGD's)."""
+    if algorithms.parse(config.algorithm)[0] == "qadam":
         return unison.QAdamOptimizer(params, lr=QADAM_LR, warmup_steps=QADAM_WARMUP_STEPS)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
