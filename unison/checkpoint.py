@@ -18,6 +18,7 @@ stopped. Saving over the same path each time is safe, which is what makes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
 import random
@@ -28,11 +29,11 @@ import zlib
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .data import ShardSampler
-from .data import _group_rank_and_size as _rank_and_size
+from .data import group_rank_and_size as _rank_and_size
+from .engine.comm import all_gather_objects, broadcast_object, gather_objects
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 
@@ -88,7 +89,7 @@ def save(
         mine: Any = _rank_entry(model, optimizers, with_weights=per_rank)
     except Exception as exc:  # tell rank 0 instead of leaving it waiting in the gather
         mine = _Failure(f"rank {rank}: {type(exc).__name__}: {exc}")
-    entries = [mine] if world == 1 else _gather(mine, rank, world)
+    entries = [mine] if world == 1 else gather_objects(mine)
 
     status: Optional[str] = None
     if rank == 0:
@@ -116,9 +117,7 @@ def save(
             except Exception as exc:
                 status = f"rank 0 could not write {path}: {type(exc).__name__}: {exc}"
     if world > 1:
-        box = [status]
-        dist.broadcast_object_list(box, src=0)  # doubles as the barrier: nobody runs ahead of the file
-        status = box[0]
+        status = broadcast_object(status)  # doubles as the barrier: nobody runs ahead of the file
     if status is not None:
         raise RuntimeError(f"checkpoint {path} was not saved: {status}")
 
@@ -161,7 +160,7 @@ def load(
         outcome = ("error", f"{exc} (rank {rank})")
     except Exception as exc:
         outcome = ("error", f"cannot read {path}: {type(exc).__name__}: {exc} (rank {rank})")
-    outcomes = [outcome] if world == 1 else _all_gather(outcome, world)
+    outcomes = [outcome] if world == 1 else all_gather_objects(outcome, None)
     kinds = {kind for kind, _ in outcomes}
     if kinds == {"missing"}:
         if missing_ok:
@@ -290,19 +289,6 @@ def _check_plain(obj: Any, where: str) -> None:
         raise TypeError(f"{where} is a {type(obj).__name__}; a checkpoint's extra holds plain data only (numbers, strings, lists, dicts, tensors)")
 
 
-def _gather(obj: Any, rank: int, world: int) -> list[Any]:
-    """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
-
-
-def _all_gather(obj: Any, world: int) -> list:
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def to_cpu(obj: Any) -> Any:
     """``obj`` with every tensor in it (in dicts, lists, tuples) detached and on the CPU, for a file.
 
@@ -406,7 +392,8 @@ def set_rng_states(state: dict[str, Any]) -> None:
 
 def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
     """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
-    seed = (zlib.crc32(rank0_state["torch"].numpy().tobytes()) * 1_000_003 + rank) % 2**32
+    torch_state = rank0_state["torch"].contiguous()
+    seed = (zlib.crc32(ctypes.string_at(torch_state.data_ptr(), torch_state.numel())) * 1_000_003 + rank) % 2**32
     torch.manual_seed(seed)
     random.seed(seed)
     np = sys.modules.get("numpy")

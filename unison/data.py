@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
-def _group_rank_and_size(group) -> tuple[int, int]:
+def group_rank_and_size(group) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
@@ -51,7 +51,7 @@ class ShardSampler(DistributedSampler):
         drop_last: bool = False,
         group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        group_rank, group_size = _group_rank_and_size(group)
+        group_rank, group_size = group_rank_and_size(group)
         super().__init__(
             dataset,
             num_replicas=group_size if num_replicas is None else num_replicas,

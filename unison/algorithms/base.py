@@ -26,7 +26,7 @@ __all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
 S = TypeVar("S", bound=Optional[State])
 
 
-class Algorithm(Generic[S]):
+class Algorithm(opts.Configured, Generic[S]):
     """Base class: subclasses set ``name``, declare options and override the events they need.
 
     ``S`` is the type of the state ``setup`` builds (None for an algorithm that keeps none);
@@ -47,10 +47,6 @@ class Algorithm(Generic[S]):
                 return self.factor / world_size
     """
 
-    name: ClassVar[str] = "base"
-    #: Every option with its default (filled in for each subclass from its declarations).
-    defaults: ClassVar[dict[str, Any]] = {}
-    options_declared: ClassVar[dict[str, opts.Option]] = {}
     #: Whether the wrapper runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
     #: Whether replicas train on local gradients between syncs (model averaging):
@@ -62,26 +58,12 @@ class Algorithm(Generic[S]):
     #: Whether the algorithm acts after optimizer steps, so it needs the optimizers.
     needs_optimizers: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.options_declared = opts.declared(cls)
-        cls.defaults = {name: o.default for name, o in cls.options_declared.items()}
-
     def __init__(self, **options: Any) -> None:
-        self._values, self._written = opts.check_given(self.name, type(self).options_declared, options)
+        super().__init__(**options)
         self.validate()
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The options, each under the name it was given by (its canonical name when not given)."""
-        return {self._written.get(name, name): value for name, value in self._values.items()}
 
     def validate(self) -> None:
         """Checks that involve several options; raise ValueError saying what is allowed."""
-
-    def describe(self) -> str:
-        """A stable text naming the algorithm and its options, compared across ranks."""
-        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in sorted(self._values.items()))})"
 
     def __repr__(self) -> str:
         return self.describe()

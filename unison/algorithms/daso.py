@@ -14,7 +14,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.codecs import WIRE_DTYPES, wire_dtype
+from ..engine.codecs import WIRE_DTYPES
+from ..engine.codecs import wire_dtype as to_wire_dtype
+from ..engine.comm import ring_bytes
 from ..replica import Replica
 from .base import Algorithm, State
 from .daso_schedule import Schedule
@@ -60,7 +62,8 @@ class DASO(Algorithm[DASOState]):
         stability_level: relative improvement of the loss that is not a plateau.
         max_global_skips: the most batches between two global syncs.
         sending_chunk_size: elements per collective of a global sync.
-        downcast_type: wire dtype of global syncs ("bf16", "fp16", "fp32" or a torch dtype).
+        wire_dtype: wire dtype of global syncs ("bf16", "fp16", "fp32" or a torch dtype);
+            alias ``downcast_type``, HeAT's name.
         use_mpi_groups: no effect (HeAT's option; torch.distributed groups are used).
         skip_reduction_factor: divides the skips when the loss plateaus.
         local_skip_factor: ``max_global_skips // local_skip_factor`` is the local skip after a reset.
@@ -84,7 +87,7 @@ class DASO(Algorithm[DASOState]):
     stability_level = Number(0.05, low=0.0, open_low=False, high=1.0)
     max_global_skips = Int(8)
     sending_chunk_size = Int(10_000_000)
-    downcast_type = Choice("bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=wire_dtype)
+    wire_dtype = Choice("bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=to_wire_dtype, aliases=("downcast_type",))
     use_mpi_groups = Bool(True)
     skip_reduction_factor = Int(2, minimum=2)
     local_skip_factor = Int(4)
@@ -99,7 +102,7 @@ class DASO(Algorithm[DASOState]):
 
     def setup(self, replica: Replica) -> DASOState:
         super().setup(replica)
-        wire = None if self.downcast_type == torch.float32 else self.downcast_type
+        wire = None if self.wire_dtype == torch.float32 else self.wire_dtype
         transport = Transport.build(replica, wire, self.sending_chunk_size)
         schedule = Schedule(
             self.warmup_epochs, self.cooldown_epochs, self.total_epochs, self.max_global_skips, self.skip_reduction_factor,
@@ -156,7 +159,7 @@ class DASO(Algorithm[DASOState]):
         """``model.end_epoch(loss, averaged)``, HeAT's ``epoch_loss_logic``: end the epoch (every rank),
         average the loss (unless ``averaged``), resync if cycling, set the next skips."""
         value = None if loss is None else float(loss)
-        mean = value if averaged else state.transport.mean_loss(value, replica.group)
+        mean = value if averaged else _mean_loss(state, value, replica.group)
         k = state.schedule.end_epoch(mean)
         if k is not None:  # a cycling epoch ends: drop the sync in flight, make every replica identical
             state.transport.drop()
@@ -174,3 +177,13 @@ class DASO(Algorithm[DASOState]):
         state.transport.drop()
         state.transport.anchor = None
         state.schedule.pending_sync = None
+
+
+def _mean_loss(state: DASOState, loss: Optional[float], group: Optional[dist.ProcessGroup]) -> Optional[float]:
+    """The epoch's loss averaged over ``group``'s ranks that gave one (None if none did)."""
+    if group is None:
+        return loss
+    t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    state.bytes_sent += ring_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
+    return t[0].item() / t[1].item() if t[1].item() > 0 else None

@@ -23,7 +23,7 @@ SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch st
 class Sync(comm.Finished):
     """A global sync in flight: ``wait()`` returns its average, in the views it lands in."""
 
-    def __init__(self, works: list, values: list[torch.Tensor]) -> None:
+    def __init__(self, works: list[Any], values: list[torch.Tensor]) -> None:
         super().__init__(values)
         self.works = works
 
@@ -54,14 +54,11 @@ class Transport:
     Example::
 
         t = Transport.build(replica, wire=torch.bfloat16, chunk_elems=10_000_000)
-        t.start()                                   # at batch b, by local rank k
-        t.receive(k, batches_to_wait=1)             # at batch b + 1, on every rank
+        t.start()  # at batch b, by local rank k; then t.receive(k, batches_to_wait=1) at b + 1, on every rank
     """
 
-    __slots__ = (
-        "params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
-        "inflight", "relative", "anchor", "meter", "buffers",
-    )
+    __slots__ = ("params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
+                 "inflight", "relative", "anchor", "meter", "buffers")
 
     def __init__(
         self, params: Sequence[torch.Tensor], grad_group: Optional[dist.ProcessGroup] = None,
@@ -76,7 +73,7 @@ class Transport:
         self.relative = False  # whether it carries differences from the anchor
         self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
         self.meter = State()  # counts the bytes sent (DASO gives its state)
-        self.buffers: dict[Any, Any] = {}  # Transport.flat's, by dtype
+        self.buffers: dict[Optional[torch.dtype], Any] = {}  # Transport.flat's
 
     @classmethod
     def build(cls, replica: Replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
@@ -175,15 +172,6 @@ class Transport:
         comm.AsyncBroadcast(self.params, self.intra, source=local_rank).finish()
         if self.local_rank == local_rank:
             self.meter.bytes_sent += (self.local_size - 1) * sum(p.numel() * p.element_size() for p in self.params)
-
-    def mean_loss(self, loss: Optional[float], group: Optional[dist.ProcessGroup]) -> Optional[float]:
-        """The epoch's loss averaged over ``group``'s ranks that gave one (None if none did)."""
-        if group is None:
-            return loss
-        t = torch.tensor([0.0 if loss is None else loss, 0.0 if loss is None else 1.0], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        self.meter.bytes_sent += comm.ring_bytes(t.numel() * t.element_size(), dist.get_world_size(group))
-        return t[0].item() / t[1].item() if t[1].item() > 0 else None
 
     # ---- state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

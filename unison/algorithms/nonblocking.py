@@ -1,18 +1,10 @@
 """Non-blocking parameter updates (HeAT's ``blocking_parameter_updates=False``).
 
-Gradients are averaged by asynchronous allreduces launched during backward, as
-with "allreduce", but the end of backward does not wait for them and
-``optimizer.step()`` does not update anything yet. Each layer's update is
-applied just before that layer's next forward, once its bucket has arrived, so
-the communication of the last buckets also overlaps the start of the next
-forward. ``optimizer.zero_grad()`` is deferred the same way.
-
-The update uses the hyperparameters the optimizer had when ``step()`` was
-called (an LR scheduler stepping in between changes the next step, not this
-one), so the trajectory equals blocking "allreduce". Pending updates are
-applied by ``model.eval()``, ``model.state_dict()``, ``switch_to()`` and
-``model.flush()``. Gradients must not be read or changed between backward and
-``step()`` (clip them with "allreduce" instead): they may still be in flight.
+Gradients are averaged as with "allreduce", but neither the end of backward nor
+``optimizer.step()`` waits: each layer's update (and ``zero_grad``) is applied
+just before that layer's next forward, once its bucket has arrived, with the
+hyperparameters of the ``step()`` call, so the trajectory equals "allreduce".
+See docs/algorithms.md#nonblocking for what a user must not do meanwhile.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 
 class Option:
@@ -22,7 +22,7 @@ class Option:
 
     Args:
         default: the value when the option is not given.
-        aliases: other names accepted for it (the seeds' own names).
+        aliases: other names accepted for it (HeAT's, Bagua's or DiLoCo's own names).
     """
 
     def __init__(self, default: Any, aliases: Sequence[str] = ()) -> None:
@@ -45,6 +45,33 @@ class Option:
     def convert(self, value: Any) -> Any:
         """The value the algorithm uses (after ``check`` passed)."""
         return value
+
+
+class Configured:
+    """An object configured by declared ``Option`` attributes (an Algorithm): it holds the values
+    given, checked, and reads each back converted through its Option."""
+
+    name: ClassVar[str] = "base"
+    #: Every option with its default (filled in for each subclass from its declarations).
+    defaults: ClassVar[dict[str, Any]] = {}
+    options_declared: ClassVar[dict[str, Option]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options_declared = declared(cls)
+        cls.defaults = {name: o.default for name, o in cls.options_declared.items()}
+
+    def __init__(self, **options: Any) -> None:
+        self._values, self._written = check_given(self.name, type(self).options_declared, options)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options, each under the name it was given by (its canonical name when not given)."""
+        return {self._written.get(name, name): value for name, value in self._values.items()}
+
+    def describe(self) -> str:
+        """A stable text naming the algorithm and its options, compared across ranks."""
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in sorted(self._values.items()))})"
 
 
 def _is_int(value: Any) -> bool:
@@ -123,14 +150,16 @@ class Choice(Option):
 
 
 def declared(cls: type) -> dict[str, Option]:
-    """The options of an algorithm class, inherited ones included, in declaration order."""
+    """The options of an algorithm class: its own in declaration order, then inherited ones
+    (a subclass drops an inherited option by setting it to None)."""
     out: dict[str, Option] = {}
-    for klass in reversed(cls.__mro__):
+    dropped: set[str] = set()
+    for klass in cls.__mro__:
         for name, value in vars(klass).items():
-            if isinstance(value, Option):
+            if isinstance(value, Option) and name not in out and name not in dropped:
                 out[name] = value
-            elif name in out and value is None:
-                del out[name]  # a subclass drops an inherited option by setting it to None
+            elif value is None and name not in out:
+                dropped.add(name)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import pickle
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -99,21 +100,54 @@ class AsyncBroadcast:
         self._parts = []
 
 
-def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    """Every rank's ``obj``, in group rank order (two collectives).
+# Objects travel pickled in uint8 tensors. torch's *_object collectives do the same but read
+# the bytes back through NumPy, which neither torch nor unison requires.
 
-    Unlike torch's ``all_gather_object`` it needs no NumPy, which neither
-    torch nor unison requires.
-    """
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+def _pickled(obj: Any, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, list[int]]:
+    """``obj`` pickled into a uint8 tensor padded to the longest of the group's, and every
+    rank's length (one collective)."""
+    data = pickle.dumps(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size(group))]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return padded, lengths
+
+
+def _unpickled(t: torch.Tensor, length: int) -> Any:
+    return pickle.loads(ctypes.string_at(t.data_ptr(), length))
+
+
+def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's ``obj``, in group rank order (two collectives, no NumPy)."""
+    padded, lengths = _pickled(obj, group)
+    out = [torch.empty_like(padded) for _ in lengths]
     dist.all_gather(out, padded, group=group)
-    return [pickle.loads(bytes(o[: int(n.item())].tolist())) for o, n in zip(out, sizes)]
+    return [_unpickled(o, n) for o, n in zip(out, lengths)]
+
+
+def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None, dst: int = 0) -> list[Any]:
+    """Every rank's ``obj`` on group rank ``dst`` (an empty list elsewhere); no NumPy."""
+    padded, lengths = _pickled(obj, group)
+    mine = dist.get_rank(group) == dst
+    out = [torch.empty_like(padded) for _ in lengths] if mine else None
+    dist.gather(padded, out, dst=src_rank(group, dst), group=group)
+    return [_unpickled(o, n) for o, n in zip(out, lengths)] if out is not None else []
+
+
+def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: int = 0) -> Any:
+    """Group rank ``src``'s ``obj`` on every rank (two collectives, no NumPy)."""
+    data = pickle.dumps(obj) if dist.get_rank(group) == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src_rank(group, src), group=group)
+    t = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if data:
+        t[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(t, src=src_rank(group, src), group=group)
+    return _unpickled(t, t.numel())
 
 
 def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dist.ProcessGroup], describe: Callable[[Any], str]) -> None:

@@ -38,7 +38,7 @@ import unison
 from unison import algorithms
 from unison.checkpoint import entry_for_rank, rng_states, set_rng_states, to_cpu
 from unison.engine.averaging import average_
-from unison.engine.comm import default_broadcast
+from unison.engine.comm import default_broadcast, gather_objects
 from unison.parallel import ALGORITHM_KEY
 
 __all__ = ["UnisonStrategy"]
@@ -373,8 +373,7 @@ class UnisonStrategy(DDPStrategy):
         if isinstance(model, unison.DataParallel) and "optimizer_states" in checkpoint:  # not weights-only
             entry = to_cpu(self._rank_entry(model))
             if self.world_size > 1:
-                gathered: Optional[list] = [None] * self.world_size if self.global_rank == 0 else None
-                dist.gather_object(entry, gathered, dst=0)
+                gathered: Optional[list] = gather_objects(entry)
             else:
                 gathered = [entry]
             if self.global_rank == 0:

@@ -1,0 +1,16 @@
+"""The core install (torch and rich, no NumPy) trains, switches, saves and loads on 2 ranks:
+torch's *_object collectives need NumPy, unison's own do not."""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "without_numpy.py")
+
+
+def test_two_ranks_train_save_and_load_without_numpy(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path / "c.pt")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.endswith(" ok")) == ["rank 0 ok", "rank 1 ok"]
