@@ -71,6 +71,34 @@ def test_layers_import_downwards():
             assert _layer(name) <= here, f"{path.relative_to(ROOT)} imports {name}, a layer above it"
 
 
+# Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions, ...).
+TORCH_PRIVATE = {"_metadata", "_version", "_execution_engine", "_get_default_store", "_exit", "_pytree", "_foreach"}
+
+
+def _private_reaches(path: pathlib.Path) -> list[str]:
+    """``x._name`` where ``_name`` is not defined in ``path`` itself, and imports of private names
+    from other unison modules: a module's private names are its own."""
+    text = path.read_text()
+    own = set(re.findall(r"\b(?:self|cls)\.(_[a-z]\w*)", text)) | set(re.findall(r"^\s*(?:def|class) (_\w+)", text, re.M))
+    own |= set(re.findall(r"^\s*(_\w+)\s*[:=]", text, re.M)) | set(re.findall(r'"(_[a-z]\w*)"', text))
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("unison")):
+            out += [f"import {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "torch", "dist", "os", "sys"):
+                continue
+            if node.attr in own or node.attr in TORCH_PRIVATE or node.attr.startswith("_foreach"):
+                continue
+            out.append(f"line {node.lineno}: {ast.unparse(node.value)}.{node.attr}")
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    reaches = {str(p.relative_to(ROOT)): r for p in PACKAGE.rglob("*.py") if (r := _private_reaches(p))}
+    assert reaches == {}
+
+
 def test_the_library_never_imports_the_apps():
     for path in PACKAGE.rglob("*.py"):
         if "apps" in path.relative_to(PACKAGE).parts or path.name == "__main__.py":  # `python -m unison` runs the app

@@ -140,8 +140,8 @@ class UnisonStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            timeout=timeout,  # type: ignore[arg-type]
+            start_method=start_method,  # type: ignore[arg-type]
         )
         self._algorithm_spec = algorithm
         self._dataparallel_kwargs = dataparallel_kwargs
@@ -234,7 +234,7 @@ class UnisonStrategy(DDPStrategy):
         assert isinstance(self.model, pl.LightningModule)
         self.model = self._setup_model(self.model)
 
-    def _setup_model(self, model: nn.Module) -> "unison.DataParallel":
+    def _setup_model(self, model: nn.Module) -> "unison.DataParallel":  # type: ignore[override]  # not a DDP
         spec = self._algorithm_spec
         algorithm = algorithms.create(spec) if isinstance(spec, str) else spec
         optimizers = list(self.optimizers) or None
@@ -242,9 +242,9 @@ class UnisonStrategy(DDPStrategy):
 
     def _attach_hooks(self, trainer: "pl.Trainer") -> None:
         """Put the strategy's callback first, so users' callbacks see averaged replicas."""
-        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _UnisonHooks)]
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _UnisonHooks)]  # type: ignore[attr-defined]
         self._hooks = _UnisonHooks(self)
-        trainer.callbacks.insert(0, self._hooks)
+        trainer.callbacks.insert(0, self._hooks)  # type: ignore[attr-defined]
         self._hooks_trainer = trainer
 
     def _connect_scaler(self) -> None:
@@ -456,7 +456,7 @@ class UnisonStrategy(DDPStrategy):
             self.model = self.lightning_module
         if self._hooks is not None:
             if self._hooks_trainer is not None:
-                self._hooks_trainer.callbacks[:] = [cb for cb in self._hooks_trainer.callbacks if cb is not self._hooks]
+                self._hooks_trainer.callbacks[:] = [cb for cb in self._hooks_trainer.callbacks if cb is not self._hooks]  # type: ignore[attr-defined]
             self._hooks = None
             self._hooks_trainer = None
         super().teardown()
