@@ -25,11 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import WORKLOADS, launch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
-from common import WORKLOADS, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\n{'workload':10} {'params':>10} {'DDP ms':>8} {'unison ms':>10} {'ratio':>6} {'DDP MB':>8} {'unison MB':>10}")
+    print(
+        f"\n{'workload':10} {'params':>10} {'DDP ms':>8} {'unison ms':>10} {'ratio':>6} {'DDP MB':>8} {'unison MB':>10}"
+    )
     for name, e in report["workloads"].items():
         print(
             f"{name:10} {e['params']:>10} {e['ddp_ms_per_step']:>8} {e['unison_ms_per_step']:>10} {e['ratio']:>6}"

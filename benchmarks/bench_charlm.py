@@ -38,9 +38,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import launch, split_contenders
 
 import unison
-from common import launch, split_contenders
 from unison.apps.workloads import charlm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +102,9 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
             steps += 1
         epoch_loss = total / max(count, 1)
         model.end_epoch(epoch_loss)
-    sent = model.comm_stats["bytes_total"] / max(steps, 1)  # per step of this loop (nonblocking's comm_stats counts its per-layer updates as steps)
+    sent = model.comm_stats["bytes_total"] / max(
+        steps, 1
+    )  # per step of this loop (nonblocking's comm_stats counts its per-layer updates as steps)
     model.average()
     seconds = time.perf_counter() - start
     result = {
@@ -137,7 +139,12 @@ def worker(names: list[str], cfg: dict) -> dict:
         "vocab": len(vocab),
         "train_windows": len(train_set),
         "val_windows": len(val_set),
-        "params": sum(p.numel() for p in charlm.build(0, len(vocab), cfg["context"], cfg["d_model"], cfg["heads"], cfg["layers"]).parameters()),
+        "params": sum(
+            p.numel()
+            for p in charlm.build(
+                0, len(vocab), cfg["context"], cfg["d_model"], cfg["heads"], cfg["layers"]
+            ).parameters()
+        ),
     }
     unison.shutdown()
     return {"info": info, "results": results}
@@ -157,9 +164,12 @@ def verdicts(results: dict) -> None:
 def print_table(info: dict, cfg: dict, results: dict) -> None:
     print(
         f"char-level transformer ({info['params']:,} parameters), {info['characters']:,} characters of stdlib source, "
-        f"2 ranks as {cfg['nodes']} node(s), {cfg['epochs']} epochs x {results['allreduce']['steps'] // cfg['epochs']} steps, AdamW lr {cfg['lr']} ({cfg['schedule']})"
+        f"2 ranks as {cfg['nodes']} node(s), {cfg['epochs']} epochs x "
+        f"{results['allreduce']['steps'] // cfg['epochs']} steps, AdamW lr {cfg['lr']} ({cfg['schedule']})"
     )
-    print(f"{'algorithm':28} {'val loss':>9} {'/ allreduce':>12} {'train loss':>11} {'seconds':>8} {'ms/step':>8} {'bytes/step':>11}  target")
+    print(
+        f"{'algorithm':28} {'val loss':>9} {'/ allreduce':>12} {'train loss':>11} {'seconds':>8} {'ms/step':>8} {'bytes/step':>11}  target"
+    )
     for name, r in results.items():
         verdict = "-" if r["within_target"] is None else ("ok" if r["within_target"] else "MISSED")
         print(
@@ -170,14 +180,20 @@ def print_table(info: dict, cfg: dict, results: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", default=",".join(unison.algorithms.names()), help="comma-separated names, with options if you like (diloco:fragments=4,delay=2); allreduce is always run")
+    parser.add_argument(
+        "--algorithms",
+        default=",".join(unison.algorithms.names()),
+        help="comma-separated names, with options if you like (diloco:fragments=4,delay=2); allreduce is always run",
+    )
     parser.add_argument("--epochs", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32, help="windows per rank per step")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's (and QAdam's) learning rate")
     parser.add_argument("--schedule", default="constant", choices=["cosine", "constant"], help="learning-rate schedule")
     parser.add_argument("--warmup", type=int, default=30, help="steps of linear learning-rate warm-up (cosine)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (and QAdam's decoupled) weight decay")
-    parser.add_argument("--bytes", type=int, default=384 * 1024, help="characters of stdlib source (the last 10%% validate)")
+    parser.add_argument(
+        "--bytes", type=int, default=384 * 1024, help="characters of stdlib source (the last 10%% validate)"
+    )
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -191,18 +207,49 @@ def main(argv=None) -> int:
     names = ["allreduce"] + [n for n in names if n != "allreduce"]
     for n in names:
         unison.algorithms.create(n)  # an unknown name or option fails here, before any process starts
-    cfg = {k: getattr(args, k) for k in ("epochs", "batch", "lr", "schedule", "warmup", "weight_decay", "bytes", "context", "d_model", "heads", "layers", "nodes", "val_batches", "seed")}
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "epochs",
+            "batch",
+            "lr",
+            "schedule",
+            "warmup",
+            "weight_decay",
+            "bytes",
+            "context",
+            "d_model",
+            "heads",
+            "layers",
+            "nodes",
+            "val_batches",
+            "seed",
+        )
+    }
     start = time.perf_counter()
     out = launch(worker, 2, names, cfg)[0]
     wall = time.perf_counter() - start
     verdicts(out["results"])
     print_table(out["info"], cfg, out["results"])
     missed = [n for n, r in out["results"].items() if r["within_target"] is False]
-    print(f"model-averaging algorithms within {TARGET_RATIO - 1:.0%} of allreduce: " + ("all" if not missed else f"all but {', '.join(missed)}"))
+    print(
+        f"model-averaging algorithms within {TARGET_RATIO - 1:.0%} of allreduce: "
+        + ("all" if not missed else f"all but {', '.join(missed)}")
+    )
     print(f"whole benchmark: {wall:.0f} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"config": cfg, "info": out["info"], "target_ratio": TARGET_RATIO, "wall_time_s": wall, "results": out["results"]}, f, indent=2)
+        json.dump(
+            {
+                "config": cfg,
+                "info": out["info"],
+                "target_ratio": TARGET_RATIO,
+                "wall_time_s": wall,
+                "results": out["results"],
+            },
+            f,
+            indent=2,
+        )
     return 0
 
 

@@ -17,6 +17,7 @@ Prints a table; ``--json`` writes benchmarks/results/codecs.json (or the path gi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -25,8 +26,8 @@ import time
 from typing import Callable
 
 import torch
-
 from common import WORKLOADS
+
 from unison.algorithms import powersgd
 from unison.engine.codecs import LowRank, MinMax8
 
@@ -93,7 +94,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     parser.add_argument("--rows", type=int, default=2, help="MinMax8 rows (ranks of the group)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="MinMax8 values per chunk")
-    parser.add_argument("--json", nargs="?", const=DEFAULT_JSON, default=None, metavar="PATH", help=f"write results (default path {DEFAULT_JSON})")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const=DEFAULT_JSON,
+        default=None,
+        metavar="PATH",
+        help=f"write results (default path {DEFAULT_JSON})",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -111,17 +119,36 @@ def main() -> None:
     rows = []
     for name, (fn, count) in cases.items():
         src, dst = torch.randn(count), torch.empty(count)
-        copy_s = median_seconds(lambda: dst.copy_(src), args.reps)
+        copy_s = median_seconds(functools.partial(dst.copy_, src), args.reps)
         codec_s = median_seconds(fn, args.reps)
         nbytes = count * 4
-        rows.append({"codec": name, "bytes": nbytes, "ms": codec_s * 1e3, "gbps": nbytes / codec_s / 1e9, "copy_gbps": nbytes / copy_s / 1e9, "vs_copy": copy_s / codec_s})
+        rows.append(
+            {
+                "codec": name,
+                "bytes": nbytes,
+                "ms": codec_s * 1e3,
+                "gbps": nbytes / codec_s / 1e9,
+                "copy_gbps": nbytes / copy_s / 1e9,
+                "vs_copy": copy_s / codec_s,
+            }
+        )
         del src, dst
 
     print(f"{'codec':<24} {'MB':>7} {'ms':>8} {'GB/s':>7} {'copy GB/s':>10} {'x copy':>7}")
     for r in rows:
-        print(f"{r['codec']:<24} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} {r['gbps']:7.2f} {r['copy_gbps']:10.2f} {r['vs_copy']:7.2f}")
+        print(
+            f"{r['codec']:<24} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} {r['gbps']:7.2f} {r['copy_gbps']:10.2f} {r['vs_copy']:7.2f}"
+        )
     if args.json:
-        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(), "workload": args.workload, "numel": numel, "reps": args.reps}
+        meta = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "workload": args.workload,
+            "numel": numel,
+            "reps": args.reps,
+        }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -43,7 +43,6 @@ Prints a table; writes benchmarks/results/step_time.json (or ``--json PATH``).
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import math
@@ -55,10 +54,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import WORKLOADS, launch, split_contenders
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
-from common import WORKLOADS, launch, split_contenders
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = (
@@ -89,7 +88,9 @@ class Contender:
                 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
                 subgroup = unison.topology().intra_node_group
-                self.model.register_comm_hook(pl.PostLocalSGDState(None, subgroup, start_localSGD_iter=1), pl.post_localSGD_hook)
+                self.model.register_comm_hook(
+                    pl.PostLocalSGDState(None, subgroup, start_localSGD_iter=1), pl.post_localSGD_hook
+                )
                 self.averager = PeriodicModelAverager(period=PEER_PERIOD, warmup_steps=1)
                 period, own_warmup = PEER_PERIOD, 1
         else:
@@ -98,7 +99,9 @@ class Contender:
             if name == "daso":
                 period = algorithm.max_global_skips
                 own_warmup = algorithm.warmup_epochs * epoch_steps
-            own_warmup = max(own_warmup, getattr(algorithm, "warmup_steps", 0) or 0, getattr(algorithm, "start_iter", 0) or 0)
+            own_warmup = max(
+                own_warmup, getattr(algorithm, "warmup_steps", 0) or 0, getattr(algorithm, "start_iter", 0) or 0
+            )
         if name == "qadam":
             self.optimizer = unison.QAdamOptimizer(module.parameters(), lr=1e-3, warmup_steps=5)
             own_warmup = max(own_warmup, 5)
@@ -107,7 +110,9 @@ class Contender:
         if self.unison:
             self.model = unison.DataParallel(module, optimizer=self.optimizer, algorithm=algorithm)
         if window % period or window < 2 * period:
-            raise SystemExit(f"{spec}: the timed window ({window} steps) must be a whole number of its sync periods ({period}), at least two")
+            raise SystemExit(
+                f"{spec}: the timed window ({window} steps) must be a whole number of its sync periods ({period}), at least two"
+            )
         self.period = period
         self.warmup = period * math.ceil(max(warmup, own_warmup + 1) / period)
         self.epoch_steps, self.steps = epoch_steps, 0
@@ -231,11 +236,15 @@ def main(argv=None) -> int:
     if args.rounds < 3:
         parser.error("--rounds must be at least 3: the figure is a median of paired ratios")
     os.environ["UNISON_NODES"] = str(args.nodes)
-    config = {k: getattr(args, k) for k in ("workload", "batch", "lr", "rounds", "window", "warmup", "epoch_steps", "nodes")}
+    config = {
+        k: getattr(args, k) for k in ("workload", "batch", "lr", "rounds", "window", "warmup", "epoch_steps", "nodes")
+    }
     config["contenders"] = contenders
     rounds = launch(worker, 2, config)[0]["rounds"]
     summary = summarize(rounds, contenders)
-    print(f"{args.workload}, 2 ranks, batch {args.batch}, {args.window} timed steps x {args.rounds} rounds (median of paired ratios)")
+    print(
+        f"{args.workload}, 2 ranks, batch {args.batch}, {args.window} timed steps x {args.rounds} rounds (median of paired ratios)"
+    )
     print(f"{'contender':34} {'ms/step':>8} {'/ DDP':>6} {'/ compute':>9} {'MB/step':>8} {'drain ms':>8}")
     for spec, e in summary.items():
         print(

@@ -26,7 +26,15 @@ def cnn() -> nn.Module:
     def block(cin, cout):
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)]
 
-    return nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), nn.Flatten(), nn.Linear(128 * 16, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(
+        *block(3, 32),
+        *block(32, 64),
+        *block(64, 128),
+        nn.Flatten(),
+        nn.Linear(128 * 16, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
 
 
 WORKLOADS = {
@@ -50,10 +58,8 @@ def launch(fn, nproc: int, *args) -> dict:
     return elastic_launch(config, fn)(*args)
 
 
-
-
 def split_contenders(text: str) -> list[str]:
-    """"compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
+    """ "compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
     an item with "=" and no ":" is one more option of the contender before it."""
     out: list[str] = []
     for item in filter(None, text.split(",")):

@@ -1,6 +1,6 @@
 """The smallest complete unison program: launch it with torchrun, mpirun or srun.
 
-    torchrun --standalone --nproc-per-node 2 examples/quickstart.py
+torchrun --standalone --nproc-per-node 2 examples/quickstart.py
 """
 
 import torch

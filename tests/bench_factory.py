@@ -42,4 +42,8 @@ def not_a_triple():
 
 def wide():
     """1.1M parameters (4.3 MB of gradients), so that link bytes are dominated by gradients."""
-    return nn.Sequential(nn.Linear(8, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 2)), _data(), F.cross_entropy
+    return (
+        nn.Sequential(nn.Linear(8, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 2)),
+        _data(),
+        F.cross_entropy,
+    )

@@ -18,7 +18,9 @@ import torch.multiprocessing as mp
 from unison.runtime import free_port
 
 
-def _worker(rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float) -> None:
+def _worker(
+    rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float
+) -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -70,7 +72,9 @@ def _kill_the_living(procs) -> None:
             p.join(5)
 
 
-def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[Any]:
+def run(
+    fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None
+) -> list[Any]:
     """Call ``fn(*args)`` on ``world`` ranks; return each rank's result.
 
     Fails with every rank's traceback if any rank raised, and kills the group
@@ -96,7 +100,9 @@ def run(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeo
         return [o.get("ok") for o in outcomes]
 
 
-def run_outcomes(fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None) -> list[dict]:
+def run_outcomes(
+    fn: Callable, world: int = 2, *args: Any, timeout: float = 120, pg_timeout: float = 60, env: Optional[dict] = None
+) -> list[dict]:
     """Like ``run``, for tests where ranks die on purpose: every rank runs to its own end.
 
     Returns, per rank, ``{"exitcode": int, "ok": result}`` or ``{"exitcode": int,

@@ -14,11 +14,22 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import (
+    MLP,
+    BNNet,
+    Branchy,
+    Checkpointed,
+    ReverseRegistered,
+    Tied,
+    batch,
+    frozen_mlp,
+    image_batch,
+    token_batch,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import unison
-from models import MLP, BNNet, Branchy, Checkpointed, ReverseRegistered, Tied, batch, frozen_mlp, image_batch, token_batch
 
 STEPS = 4
 
@@ -183,7 +194,9 @@ def bucket_names(model):
 def replanned():
     """Buckets follow the real gradient order after the first step: ``out`` arrives first."""
     plans = []
-    out = side_by_side(ReverseRegistered, unison_kwargs={"bucket_cap_mb": 0.01}, setup=lambda da, db: plans.append(bucket_names(db)))
+    out = side_by_side(
+        ReverseRegistered, unison_kwargs={"bucket_cap_mb": 0.01}, setup=lambda da, db: plans.append(bucket_names(db))
+    )
     out["plan_before"] = plans[0]
     out["plan_after"] = bucket_names(out["model"])
     return out
@@ -203,7 +216,9 @@ def no_sync():
 
 
 def unused_everywhere():
-    return side_by_side(Branchy, ddp_kwargs={"find_unused_parameters": True}, loss_fn=lambda m, x, y, r: F.mse_loss(m(x), y))
+    return side_by_side(
+        Branchy, ddp_kwargs={"find_unused_parameters": True}, loss_fn=lambda m, x, y, r: F.mse_loss(m(x), y)
+    )
 
 
 def branch_per_rank():
@@ -242,7 +257,9 @@ def several_optimizers():
 def batchnorm():
     out = side_by_side(BNNet, data=image_batch)
     a, b = out["ddp_model"].module, out["model"].module
-    out["buffers_vs_ddp_rank0"] = max((x.float() - y.float()).abs().max().item() for x, y in zip(a.buffers(), b.buffers()))
+    out["buffers_vs_ddp_rank0"] = max(
+        (x.float() - y.float()).abs().max().item() for x, y in zip(a.buffers(), b.buffers())
+    )
     return out
 
 
@@ -255,11 +272,15 @@ def delay_reduce():
 
 
 def torch_allreduce_hook():
-    return side_by_side(MLP, setup=lambda da, db: [m.register_comm_hook(None, default_hooks.allreduce_hook) for m in (da, db)])
+    return side_by_side(
+        MLP, setup=lambda da, db: [m.register_comm_hook(None, default_hooks.allreduce_hook) for m in (da, db)]
+    )
 
 
 def torch_fp16_hook():
-    return side_by_side(MLP, setup=lambda da, db: [m.register_comm_hook(None, default_hooks.fp16_compress_hook) for m in (da, db)])
+    return side_by_side(
+        MLP, setup=lambda da, db: [m.register_comm_hook(None, default_hooks.fp16_compress_hook) for m in (da, db)]
+    )
 
 
 def pfn_hook():
@@ -290,13 +311,20 @@ def custom_functions():
         calls["broadcast"] += 1
         unison.engine.comm.default_broadcast(tensors, group)
 
-    out = side_by_side(BNNet, data=image_batch, unison_kwargs={"reduce_function": reduce_fn, "broadcast_function": broadcast_fn})
+    out = side_by_side(
+        BNNet, data=image_batch, unison_kwargs={"reduce_function": reduce_fn, "broadcast_function": broadcast_fn}
+    )
     out["calls"] = calls
     return out
 
 
 def negotiate_off():
-    out = side_by_side(Branchy, ddp_kwargs={"find_unused_parameters": True}, unison_kwargs={"negotiate_grads": False}, loss_fn=lambda m, x, y, r: F.mse_loss(m(x), y))
+    out = side_by_side(
+        Branchy,
+        ddp_kwargs={"find_unused_parameters": True},
+        unison_kwargs={"negotiate_grads": False},
+        loss_fn=lambda m, x, y, r: F.mse_loss(m(x), y),
+    )
     never = out["model"].module.never.weight.grad
     out["never_grad_zero"] = never is not None and bool((never == 0).all())
     return out

@@ -20,8 +20,20 @@ PACKAGE = ROOT / "unison"
 ALGORITHMS = PACKAGE / "algorithms"
 # Lower layers first; a module may import only from its own layer or lower ones.
 LAYERS = [
-    "runtime", "engine", "hooks", "replica", "algorithms", "events", "core", "join", "parallel", "optim",
-    "checkpoint", "compat", "integrations", "apps",
+    "runtime",
+    "engine",
+    "hooks",
+    "replica",
+    "algorithms",
+    "events",
+    "core",
+    "join",
+    "parallel",
+    "optim",
+    "checkpoint",
+    "compat",
+    "integrations",
+    "apps",
 ]
 
 
@@ -54,7 +66,9 @@ def test_algorithms_reach_nothing_but_the_replica():
         text = path.read_text()
         assert not re.search(r"model\._|getattr\(model", text), path.name
         for name in _imports(path):
-            assert not name.startswith(("unison.parallel", "unison.optim", "unison.apps", "unison.join", "unison.checkpoint")), (path.name, name)
+            assert not name.startswith(
+                ("unison.parallel", "unison.optim", "unison.apps", "unison.join", "unison.checkpoint")
+            ), (path.name, name)
 
 
 def test_every_algorithm_module_is_at_most_200_lines():
@@ -79,7 +93,9 @@ def _private_reaches(path: pathlib.Path) -> list[str]:
     """``x._name`` where ``_name`` is not defined in ``path`` itself, and imports of private names
     from other unison modules: a module's private names are its own."""
     text = path.read_text()
-    own = set(re.findall(r"\b(?:self|cls)\.(_[a-z]\w*)", text)) | set(re.findall(r"^\s*(?:def|class) (_\w+)", text, re.M))
+    own = set(re.findall(r"\b(?:self|cls)\.(_[a-z]\w*)", text)) | set(
+        re.findall(r"^\s*(?:def|class) (_\w+)", text, re.M)
+    )
     own |= set(re.findall(r"^\s*(_\w+)\s*[:=]", text, re.M)) | set(re.findall(r'"(_[a-z]\w*)"', text))
     out = []
     for node in ast.walk(ast.parse(text)):

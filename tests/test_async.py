@@ -5,15 +5,15 @@ optimizer step, errors raised in the training thread, and stopping together."""
 import gc
 import time
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import spread_across_ranks
+
+import unison
 from unison.algorithms import async_ as async_average
 from unison.algorithms import averaging_thread
 
@@ -38,11 +38,15 @@ class CheckedSGD(torch.optim.Optimizer):
             for p in params:
                 p.add_(p.grad, alpha=-group["lr"])
             time.sleep(0.001)
-            self.violations += sum(not torch.equal(p, b.add(p.grad, alpha=-group["lr"])) for p, b in zip(params, before))
+            self.violations += sum(
+                not torch.equal(p, b.add(p.grad, alpha=-group["lr"])) for p, b in zip(params, before)
+            )
 
 
 def async_model(net, opt, process_group=None, **options):
-    return unison.DataParallel(net, opt, algorithm=unison.algorithms.create("async", **options), process_group=process_group)
+    return unison.DataParallel(
+        net, opt, algorithm=unison.algorithms.create("async", **options), process_group=process_group
+    )
 
 
 def train_step(model, opt, step, rank):
@@ -183,10 +187,7 @@ def errors_surface(rank, world):
     alg = model.algorithm_state
     train_step(model, opt, 0, rank)
     caught = train_until_error(model, opt, rank, inject=True)
-    result = {
-        "message": str(caught),
-        "cause": type(caught.__cause__).__name__ if caught is not None else None,
-    }
+    result = {"message": str(caught), "cause": type(caught.__cause__).__name__ if caught is not None else None}
     for s in range(3):
         train_step(model, opt, s, rank)  # reported once; no restart after an error
     result["restarted"] = alg.running

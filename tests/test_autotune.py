@@ -3,15 +3,15 @@
 import copy
 import time
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import max_diff
+
+import unison
 from unison.engine.buckets import MB
 
 STEPS = 18  # 2 warm-up + 3 distinct sizes x (1 settle + 3 timed) = 14 to choose, then 4 more
@@ -90,4 +90,3 @@ def test_autotune_must_be_a_bool():
     state = unison.DataParallel(torch.nn.Linear(2, 2), algorithm=alg).algorithm_state  # what it built for a model
     assert state.tuning is None and state.chosen_bucket_mb is None and state.autotune_gain is None
     assert "autotune=True" in alg.describe()
-

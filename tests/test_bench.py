@@ -17,8 +17,9 @@ from unison.apps.bench import contenders, netem, report, runner, workloads
 from unison.apps.bench.worker import Judge, Stop, WorkerConfig, WorkerResult
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None,
-                                 reason=f"network namespaces unavailable: {netem.unavailable_reason()}")
+needs_netns = pytest.mark.skipif(
+    netem.unavailable_reason() is not None, reason=f"network namespaces unavailable: {netem.unavailable_reason()}"
+)
 
 
 def ours(pid: int) -> list[str]:
@@ -53,7 +54,9 @@ def test_rates_and_delays():
 
 
 def test_contender_specs():
-    specs = contenders.parse_list("ddp,powersgd:rank=2,start_iter=5,allreduce:autotune=true,ddp_post_local_sgd:period=4")
+    specs = contenders.parse_list(
+        "ddp,powersgd:rank=2,start_iter=5,allreduce:autotune=true,ddp_post_local_sgd:period=4"
+    )
     assert [s.name for s in specs] == ["ddp", "powersgd", "allreduce", "ddp_post_local_sgd"]
     assert specs[1].options == {"rank": 2, "start_iter": 5}
     assert specs[2].options == {"autotune": True}
@@ -115,8 +118,15 @@ def test_bad_model_factories():
 # ---- report arithmetic ------------------------------------------------------------
 def test_time_to_target_and_speedups():
     def ok(spec, step_ms, curve):
-        return {"spec": spec, "label": spec, "status": "ok", "step_ms": step_ms, "samples_per_s": 1000 / step_ms,
-                "final_quality": curve[-1][2], "curve": curve}
+        return {
+            "spec": spec,
+            "label": spec,
+            "status": "ok",
+            "step_ms": step_ms,
+            "samples_per_s": 1000 / step_ms,
+            "final_quality": curve[-1][2],
+            "curve": curve,
+        }
 
     results = [
         ok("ddp", 100.0, [[0, 0, 0.1], [1.0, 10, 0.8], [2.0, 20, 0.96]]),
@@ -169,8 +179,9 @@ def test_worker_config_round_trips_and_refuses_missing_or_unknown_keys(tmp_path)
 def test_stop_reasons_keep_their_json_words_and_codes():
     words = [(0, "going on"), (1, "steps"), (2, "time budget"), (3, "time cap"), (4, "target")]
     assert [(int(s), s.text) for s in Stop] == words
-    result = WorkerResult("ddp", 4, Stop.TIME_CAP, 1.0, 250.0, 8.0, 10.0, None, 0.5, [[0.0, 0, 0.1]], 7,
-                          {"autotune": 1})
+    result = WorkerResult(
+        "ddp", 4, Stop.TIME_CAP, 1.0, 250.0, 8.0, 10.0, None, 0.5, [[0.0, 0, 0.1]], 7, {"autotune": 1}
+    )
     data = result.to_json()
     assert data["stopped"] == "time cap" and data["autotune"] == 1 and "extra" not in data
     assert list(data)[:3] == ["spec", "steps", "stopped"]
@@ -199,23 +210,44 @@ def test_network_up_and_down():
     with netem.Network(2, bandwidth="100mbit", latency="1ms") as net:
         names = ours(os.getpid())
         assert sorted(names) == sorted([net.namespace(0), net.namespace(1), net.switch])
-        qdisc = subprocess.run(["tc", "-n", net.namespace(0), "qdisc", "show", "dev", net.ifname(0)], capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["tc", "-n", net.namespace(0), "qdisc", "show", "dev", net.ifname(0)], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
         if net.latency_emulated:
             assert "netem" in qdisc
         else:
             assert "netem" in net.latency_note
         # node 0 reaches node 1 over the bridge, at the addresses of our own namespaces
-        server = subprocess.Popen(net.exec_argv(1) + [sys.executable, "-c", (
-            "import socket; s = socket.create_server(('%s', 7777)); c, _ = s.accept(); c.sendall(c.recv(5) + b'!')"
-        ) % net.address(1)])
-        reply = subprocess.run(net.exec_argv(0) + [sys.executable, "-c", (
-            "import socket, time\n"
-            "for _ in range(100):\n"
-            "    try: c = socket.create_connection(('%s', 7777)); break\n"
-            "    except OSError: time.sleep(0.05)\n"
-            "c.sendall(b'hello'); print(c.recv(6).decode())"
-        ) % net.address(1)], capture_output=True, text=True, timeout=30)
+        server = subprocess.Popen(
+            net.exec_argv(1)
+            + [
+                sys.executable,
+                "-c",
+                (
+                    "import socket; s = socket.create_server(('%s', 7777)); c, _ = s.accept(); c.sendall(c.recv(5) + b'!')"
+                )
+                % net.address(1),
+            ]
+        )
+        reply = subprocess.run(
+            net.exec_argv(0)
+            + [
+                sys.executable,
+                "-c",
+                (
+                    "import socket, time\n"
+                    "for _ in range(100):\n"
+                    "    try: c = socket.create_connection(('%s', 7777)); break\n"
+                    "    except OSError: time.sleep(0.05)\n"
+                    "c.sendall(b'hello'); print(c.recv(6).decode())"
+                )
+                % net.address(1),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         server.wait(10)
         assert reply.stdout.strip() == "hello!"
         host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -230,8 +262,25 @@ def start_bench(tmp_path, *extra):
     It starts as from a terminal, with Ctrl-C's default meaning: an ignored SIGINT is
     inherited across exec, and an earlier test's library may have left it ignored in
     this process (Lightning ignores it while it destroys its process group)."""
-    argv = [sys.executable, "-m", "unison", "bench", "--model", "bench_factory:tiny", "--contenders", "ddp",
-            "--steps", "1000000", "--time-budget", "600", "--bandwidth", "10mbit", "--out", str(tmp_path), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "unison",
+        "bench",
+        "--model",
+        "bench_factory:tiny",
+        "--contenders",
+        "ddp",
+        "--steps",
+        "1000000",
+        "--time-budget",
+        "600",
+        "--bandwidth",
+        "10mbit",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return subprocess.Popen(argv, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -243,22 +292,36 @@ def processes(pids: list[str]) -> str:
     """``ps`` lines for ``pids``, to say in a failure what was left running."""
     if not pids:
         return "none"
-    return subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p", ",".join(pids)], capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["ps", "-o", "pid,ppid,stat,etime,args", "-p", ",".join(pids)], capture_output=True, text=True
+    ).stdout
 
 
 def ranks_running(pid: int) -> list[str]:
-    return [p for n in ours(pid) for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+    return [
+        p
+        for n in ours(pid)
+        for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+    ]
 
 
 @needs_netns
 def test_killed_run_leaves_namespaces_that_cleanup_removes(tmp_path):
     bench = start_bench(tmp_path)
     try:
-        names = wait_for(lambda: len(ours(bench.pid)) == 3 and ranks_running(bench.pid) and ours(bench.pid), what="the bench's namespaces and ranks")
+        names = wait_for(
+            lambda: len(ours(bench.pid)) == 3 and ranks_running(bench.pid) and ours(bench.pid),
+            what="the bench's namespaces and ranks",
+        )
         bench.send_signal(signal.SIGKILL)
         bench.wait(10)
         assert sorted(ours(bench.pid)) == sorted(names)  # nothing could tear them down
-        wait_for(lambda: not ranks_running(bench.pid), 60, "the ranks to die with the bench", lambda: processes(ranks_running(bench.pid)))
+        wait_for(
+            lambda: not ranks_running(bench.pid),
+            60,
+            "the ranks to die with the bench",
+            lambda: processes(ranks_running(bench.pid)),
+        )
         assert cli.main(["bench", "--cleanup"]) == 0
         assert ours(bench.pid) == []
         assert f"ub{bench.pid}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -288,8 +351,21 @@ def test_interrupted_run_tears_down(tmp_path, sig):
 def small_bench(tmp_path_factory):
     """Three contenders, one of which fails (nonblocking refuses nn.MultiheadAttention), on 2 nodes."""
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "bench_factory:attending", "--contenders", "ddp,nonblocking,allreduce:autotune=true",
-            "--steps", "12", "--eval-every", "4", "--out", str(out), "--json", str(out / "report.json")]
+    argv = [
+        "bench",
+        "--model",
+        "bench_factory:attending",
+        "--contenders",
+        "ddp,nonblocking,allreduce:autotune=true",
+        "--steps",
+        "12",
+        "--eval-every",
+        "4",
+        "--out",
+        str(out),
+        "--json",
+        str(out / "report.json"),
+    ]
     cwd = os.getcwd()
     os.chdir(HERE)
     try:
@@ -320,7 +396,12 @@ def test_bench_writes_json_and_plots(small_bench):
     assert by_spec["allreduce:autotune=true"]["autotune"]["chosen_mb"] == 25  # a tiny model: one bucket at every size
     assert doc["target"]["source"].startswith("within 2%")
     assert doc["recommendation"]["contender"] in ("ddp", "allreduce:autotune=true")
-    assert sorted(os.path.basename(p) for p in doc["plots"]) == ["bytes.png", "quality.png", "throughput.png", "time_to_target.png"]
+    assert sorted(os.path.basename(p) for p in doc["plots"]) == [
+        "bytes.png",
+        "quality.png",
+        "throughput.png",
+        "time_to_target.png",
+    ]
     for p in doc["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -353,8 +434,28 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
     cwd = os.getcwd()
     os.chdir(HERE)
     try:
-        assert cli.main(["bench", "--model", "bench_factory:wide", "--contenders", "allreduce:hierarchical=true",
-                         "--nodes", "2", "--procs-per-node", "2", "--steps", "6", "--eval-every", "3", "--out", str(out)]) == 0
+        assert (
+            cli.main(
+                [
+                    "bench",
+                    "--model",
+                    "bench_factory:wide",
+                    "--contenders",
+                    "allreduce:hierarchical=true",
+                    "--nodes",
+                    "2",
+                    "--procs-per-node",
+                    "2",
+                    "--steps",
+                    "6",
+                    "--eval-every",
+                    "3",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(cwd)
     with open(out / "bench.json") as f:
@@ -382,8 +483,23 @@ def test_a_contender_short_of_the_target_trains_past_its_time_budget(tmp_path):
     first evaluation at the target (here within 2% of allreduce's final loss; allreduce, the
     reference, runs first and trains all its steps); with a time cap equal to the budget, it stops
     at the first evaluation past the budget, short of an unreachable target."""
-    doc = bench_json(tmp_path / "soft", "--model", "bench_factory:tiny", "--contenders", "ddp", "--target-from", "allreduce",
-                     "--steps", "24", "--eval-every", "4", "--time-budget", "0.001", "--time-cap", "600")
+    doc = bench_json(
+        tmp_path / "soft",
+        "--model",
+        "bench_factory:tiny",
+        "--contenders",
+        "ddp",
+        "--target-from",
+        "allreduce",
+        "--steps",
+        "24",
+        "--eval-every",
+        "4",
+        "--time-budget",
+        "0.001",
+        "--time-cap",
+        "600",
+    )
     ref, ddp = doc["contenders"]
     assert (ref["spec"], ref["status"], ref["steps"], ref["stopped"]) == ("allreduce", "ok", 24, "steps")
     assert doc["target"]["value"] == pytest.approx(1.02 * ref["final_quality"])
@@ -394,8 +510,23 @@ def test_a_contender_short_of_the_target_trains_past_its_time_budget(tmp_path):
     assert ddp["steps"] == ddp["steps_to_target"] > 4  # it stopped where it reached the target, past the budget
     assert ddp["speedup_vs_ddp"]["target"] == 1.0
 
-    doc = bench_json(tmp_path / "hard", "--model", "bench_factory:tiny", "--contenders", "ddp", "--target", "0",
-                     "--steps", "24", "--eval-every", "4", "--time-budget", "0.001", "--time-cap", "0.001")
+    doc = bench_json(
+        tmp_path / "hard",
+        "--model",
+        "bench_factory:tiny",
+        "--contenders",
+        "ddp",
+        "--target",
+        "0",
+        "--steps",
+        "24",
+        "--eval-every",
+        "4",
+        "--time-budget",
+        "0.001",
+        "--time-cap",
+        "0.001",
+    )
     (ddp,) = doc["contenders"]
     assert (ddp["status"], ddp["steps"], ddp["stopped"], ddp["time_to_target_s"]) == ("ok", 4, "time cap", None)
 
@@ -408,27 +539,50 @@ def bench_without(module: str, out, *argv: str) -> subprocess.CompletedProcess:
     """``unison bench ARGV --out OUT`` in a fresh interpreter, from the tests' folder, where ``import module``
     fails (None in ``sys.modules``, as Python does for a module that is not installed)."""
     code = WITHOUT.format(module=module)
-    return subprocess.run([sys.executable, "-c", code, "bench", *argv, "--out", str(out)], cwd=HERE,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-c", code, "bench", *argv, "--out", str(out)],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
-@pytest.mark.parametrize("module, argv, words", [
-    ("matplotlib", ["--model", "bench_factory:tiny"], ["matplotlib is not installed, and the plots need it", "--no-plot"]),
-    ("sklearn", ["--workload", "digits", "--no-plot"], ["scikit-learn is not installed, and the digits workload"]),
-])
+@pytest.mark.parametrize(
+    "module, argv, words",
+    [
+        (
+            "matplotlib",
+            ["--model", "bench_factory:tiny"],
+            ["matplotlib is not installed, and the plots need it", "--no-plot"],
+        ),
+        ("sklearn", ["--workload", "digits", "--no-plot"], ["scikit-learn is not installed, and the digits workload"]),
+    ],
+)
 def test_a_missing_optional_module_stops_the_bench_before_any_contender(tmp_path, module, argv, words):
     """Found before the network is set up or a contender starts (it used to crash at the plots, after the training)."""
     proc = bench_without(module, tmp_path / "out", *argv, "--contenders", "ddp", "--steps", "4")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    for text in words + ['unison bench: ', 'pip install "unison[bench]"']:
+    for text in words + ["unison bench: ", 'pip install "unison[bench]"']:
         assert text in proc.stderr
     assert not (tmp_path / "out").exists()  # no logs folder: no contender ran
     assert "contenders" not in proc.stdout  # nor was the run announced
 
 
 def test_no_plot_runs_without_matplotlib(tmp_path):
-    proc = bench_without("matplotlib", tmp_path, "--model", "bench_factory:tiny", "--contenders", "ddp",
-                         "--steps", "4", "--eval-every", "2", "--no-plot")
+    proc = bench_without(
+        "matplotlib",
+        tmp_path,
+        "--model",
+        "bench_factory:tiny",
+        "--contenders",
+        "ddp",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--no-plot",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["plots"] == [] and doc["contenders"][0]["status"] == "ok"
@@ -438,13 +592,29 @@ def test_no_plot_runs_without_matplotlib(tmp_path):
 
 def test_results_are_written_before_the_plots_can_fail(tmp_path, monkeypatch, capsys):
     """The table and the JSON come first; a plotting error then exits 1 with a message, and loses nothing."""
+
     def broken(doc, out_dir):
         raise RuntimeError("no display")
 
     monkeypatch.setattr(report, "write_plots", broken)
     monkeypatch.chdir(HERE)
-    code = cli.main(["bench", "--model", "bench_factory:tiny", "--contenders", "ddp", "--steps", "4",
-                     "--eval-every", "2", "--out", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    code = cli.main(
+        [
+            "bench",
+            "--model",
+            "bench_factory:tiny",
+            "--contenders",
+            "ddp",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 1
     assert "the plots failed (RuntimeError: no display)" in captured.err

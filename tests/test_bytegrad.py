@@ -7,14 +7,14 @@ side in the same group.
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import mse_loss, spread_across_ranks
+
+import unison
 from unison.algorithms.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
 from unison.engine import codecs
 from unison.engine.codecs import MinMax8, dequantize_minmax, minmax_bytes, quantize_minmax
@@ -81,7 +81,9 @@ def test_codec_rejects_bad_chunks():
         dequantize_minmax(torch.zeros(10, dtype=torch.uint8), torch.zeros(3), torch.zeros(3), 10)
 
 
-@pytest.mark.parametrize("numel,rows,chunk_size,parts", [(5000, 2, 10, 7), (4999, 3, 7, 50), (1000, 8, 3, 4), (300, 2, 10, 1)])
+@pytest.mark.parametrize(
+    "numel,rows,chunk_size,parts", [(5000, 2, 10, 7), (4999, 3, 7, 50), (1000, 8, 3, 4), (300, 2, 10, 1)]
+)
 def test_split_codec_is_the_whole_codec_bit_for_bit(monkeypatch, numel, rows, chunk_size, parts):
     # Small blocks, so that small buffers make many parts (the padding of 3 and 8 rows included).
     monkeypatch.setattr(codecs, "BLOCK", 64)
@@ -287,7 +289,11 @@ def pipelined_exchange():
 
 def all_checks(world):
     """Everything checked on real ranks, in one launched group."""
-    out = {"vs_allreduce": against_allreduce(), "checkpoint": error_feedback_checkpoint(), "pipelined": pipelined_exchange()}
+    out = {
+        "vs_allreduce": against_allreduce(),
+        "checkpoint": error_feedback_checkpoint(),
+        "pipelined": pipelined_exchange(),
+    }
     if world == 2:
         out["one_rank"] = one_rank_group()
     return out

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
-
-import launch
-import unison
 from scenarios import spread_across_ranks
+
+import unison
 from unison.apps.workloads import charlm
 
 CONTEXT = 32
@@ -65,7 +65,9 @@ def test_model_is_seeded_causal_and_learns(text):
     train, val = charlm.split(vocab.encode(text))
     data, val_set = charlm.CharDataset(train, CONTEXT), charlm.CharDataset(val, CONTEXT)
     net = charlm.build(0, len(vocab), context=CONTEXT)
-    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), charlm.build(0, len(vocab), context=CONTEXT).parameters()))
+    assert all(
+        torch.equal(p, q) for p, q in zip(net.parameters(), charlm.build(0, len(vocab), context=CONTEXT).parameters())
+    )
 
     x, _ = data[0]
     x = x.unsqueeze(0)
@@ -85,7 +87,7 @@ def test_model_is_seeded_causal_and_learns(text):
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
     losses = []
-    for step, (xb, yb) in zip(range(20), loader):
+    for _, (xb, yb) in zip(range(20), loader):
         opt.zero_grad()
         loss = charlm.loss_fn(net(xb), yb)
         loss.backward()

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import time
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-import launch
 import unison
 
 # 40 samples, batch 4: 5 steps per epoch on 2 ranks, 10 alone.
@@ -87,7 +87,9 @@ def resume_matches_straight_run(path: str, specs=ALGORITHMS) -> dict:
         model, opt, loader = build(spec, seed=1)  # other weights and RNG: load must restore them
         state = unison.load(path, model, opt, loader.sampler)
         assert (state["epoch"], state["step"], state["extra"]) == (1, SAVE_AT, {"note": "mid-epoch"}), state
-        assert state["world_size"] == 2 and state["algorithm"] == (None if spec.startswith("optimizer:") else spec.split(":")[0])
+        assert state["world_size"] == 2 and state["algorithm"] == (
+            None if spec.startswith("optimizer:") else spec.split(":")[0]
+        )
         train(model, opt, loader, epoch=state["epoch"], step=state["step"])
         getattr(model, "flush", lambda: None)()
         out[spec] = max((a - b).abs().max().item() for a, b in zip(straight, model.parameters()))
@@ -105,7 +107,9 @@ def test_daso_resumes_its_sync_in_flight_exactly(tmp_path):
     """DASO on 2 simulated nodes, saved while a non-blocking global sync is in flight
     (received, not yet merged): the resumed run merges it at the same batch."""
     spec = "daso:warmup_epochs=0,cooldown_epochs=0,max_global_skips=2,downcast_type='bf16'"
-    results = launch.run(resume_matches_straight_run, 2, str(tmp_path / "ckpt.pt"), [spec], env={"UNISON_NODES": "2"}, timeout=120)
+    results = launch.run(
+        resume_matches_straight_run, 2, str(tmp_path / "ckpt.pt"), [spec], env={"UNISON_NODES": "2"}, timeout=120
+    )
     for diffs in results:
         assert diffs[spec] == 0.0, diffs
 
@@ -171,7 +175,9 @@ def test_algorithm_mismatch_says_how_to_proceed(tmp_path):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     unison.save(path, unison.DataParallel(net, opt, algorithm="local_sgd"), opt)
     other = unison.DataParallel(nn.Linear(3, 2), opt, algorithm="allreduce")
-    with pytest.raises(ValueError, match=r"'local_sgd' but this one runs 'allreduce'.*algorithm='local_sgd'.*strict=False"):
+    with pytest.raises(
+        ValueError, match=r"'local_sgd' but this one runs 'allreduce'.*algorithm='local_sgd'.*strict=False"
+    ):
         unison.load(path, other, opt)
     unison.load(path, other, opt, strict=False)
     assert torch.equal(other.module.weight, net.weight)

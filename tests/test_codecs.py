@@ -54,7 +54,9 @@ def test_minmax8_blocked_matches_whole_buffer(block, numel, rows, chunk_size, dt
     ours = residual.clone()
     summed = x + residual
     reference_encode(codec, summed, expected)
-    lost = summed.clone().sub_(decode_(codes, mins, scales, torch.empty(rows, codec.chunks, codec.size)).view(-1)[:numel])
+    lost = summed.clone().sub_(
+        decode_(codes, mins, scales, torch.empty(rows, codec.chunks, codec.size)).view(-1)[:numel]
+    )
     assert same_message(codec, codec.encode_from(x, got, feedback=ours), expected)
     assert torch.equal(ours, lost)
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import os
 import warnings
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import MLP, BNNet, batch, image_batch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-import launch
 import unison
-from models import MLP, BNNet, batch, image_batch
 
 STEPS = 4
 
@@ -121,7 +121,11 @@ def check_bagua() -> dict:
     out["stage"] = model.stage
     out["flat_warning"] = [str(w.message) for w in caught if "hierarchical" in str(w.message)]
     out["decentralized_options"] = (decentralized.name, dict(decentralized.options))
-    stages = [create("allreduce"), create("decentralized", peer_selection="all", communication_interval=1), create("allreduce")]
+    stages = [
+        create("allreduce"),
+        create("decentralized", peer_selection="all", communication_interval=1),
+        create("allreduce"),
+    ]
     out["example_gap"] = (flat(model.unwrap()) - native(stages)).abs().max().item()
     out["unwrap"] = model.unwrap() is model.module
     out["state_keys"] = sorted(model.state_dict()) == sorted(model.unwrap().state_dict())
@@ -136,9 +140,16 @@ def check_bagua() -> dict:
     m, x = bagua_run(DistributedAlgorithm.QuantizeAllReduce, hierarchical_reduce=False, error_feedback=True)
     out["quantize"] = (m.bagua_module.algorithm.name, m.bagua_module.algorithm.options["error_feedback"])
     out["quantize_gap"] = (x - native([create("bytegrad", error_feedback=True)])).abs().max().item()
-    m, x = bagua_run(DistributedAlgorithm.Decentralize, hierarchical_reduce=False, peer_selection_mode="shift_one", communication_interval=3)
+    m, x = bagua_run(
+        DistributedAlgorithm.Decentralize,
+        hierarchical_reduce=False,
+        peer_selection_mode="shift_one",
+        communication_interval=3,
+    )
     out["decentralize"] = dict(m.bagua_module.algorithm.options)
-    out["decentralize_gap"] = (x - native([create("decentralized", peer_selection="shift_one", communication_interval=3)])).abs().max().item()
+    out["decentralize_gap"] = (
+        (x - native([create("decentralized", peer_selection="shift_one", communication_interval=3)])).abs().max().item()
+    )
     out["decentralize_spread"] = spread(x)  # 4 steps, mixing every 3rd: the replicas differ
     torch.manual_seed(0)
     net = MLP()
@@ -157,7 +168,9 @@ def check_bagua() -> dict:
             out[name] = ("works", dict(m.bagua_module.algorithm.options))
         except NotImplementedError as exc:
             out[name] = ("not implemented", str(exc))
-    m, _ = bagua_init(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), intra_comm_root_rank=1)  # no hierarchy: no leader
+    m, _ = bagua_init(
+        MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), intra_comm_root_rank=1
+    )  # no hierarchy: no leader
     out["leader_flat"] = m.bagua_module.algorithm.options["hierarchical"]
     with pytest.raises(ValueError, match="intra_comm_root_rank"):
         ModelSwitchWrapper(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), intra_comm_root_rank=2)
@@ -220,7 +233,12 @@ def check_bagua() -> dict:
         train(m, opt, steps=1, start=100 + i)
     out["tried"] = tried
     out["answers"] = answers
-    out["tuned"] = (m.message_size, m.bagua_module.algorithm.options["hierarchical"], m.bagua_module.bucket_cap_mb, m.autotune_flag)
+    out["tuned"] = (
+        m.message_size,
+        m.bagua_module.algorithm.options["hierarchical"],
+        m.bagua_module.bucket_cap_mb,
+        m.autotune_flag,
+    )
     out["tuned_spread"] = spread(flat(net))
 
     # BAGUA_AUTOTUNE: the forward itself reports the measured speed every AUTOTUNE_CYCLE steps.

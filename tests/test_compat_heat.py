@@ -11,14 +11,14 @@ import contextlib
 import io
 import warnings
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
+
+import unison
 
 NODES = {"UNISON_NODES": "2"}
 
@@ -157,7 +157,7 @@ def check_data_parallel() -> dict:
     with pytest.raises(TypeError, match=r"DataParallel\(module, comm, optimizer\)"):
         ht.nn.DataParallel(MLP(), raw)
     with pytest.raises(AttributeError, match="torch.distributed on comm.group"):
-        ht.MPI_WORLD.Allreduce
+        _ = ht.MPI_WORLD.Allreduce
     # DataParallelMultiGPU with a torch optimizer: node-local only; one node of 2 here = allreduce.
     torch.manual_seed(0)
     net = MLP()
@@ -261,7 +261,9 @@ def daso_script(scheduler=False, scaler=False, trace=None, **options):
     net = MLP()  # 2. the network
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)  # 3. the local optimizer
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5) if scheduler else None  # 4.
-    daso = ht.optim.DASO(local_optimizer=optimizer, total_epochs=EPOCHS, scheduler=sched, **{**SCHEDULE, **options})  # 5.
+    daso = ht.optim.DASO(
+        local_optimizer=optimizer, total_epochs=EPOCHS, scheduler=sched, **{**SCHEDULE, **options}
+    )  # 5.
     model = ht.nn.DataParallelMultiGPU(net, daso)  # 6.
     sc = None
     if scaler:  # 7.
@@ -279,7 +281,9 @@ def daso_script(scheduler=False, scaler=False, trace=None, **options):
                 trace.append(spread(flat(net)))
         daso.epoch_loss_logic(loss)  # 9.
         if trace is not None:
-            trace.append(("epoch", daso.epoch, daso.global_skip, daso.local_skip, daso.batches_to_wait, spread(flat(net))))
+            trace.append(
+                ("epoch", daso.epoch, daso.global_skip, daso.local_skip, daso.batches_to_wait, spread(flat(net)))
+            )
     return daso, model, flat(net)
 
 
@@ -291,7 +295,10 @@ def check_daso() -> dict:
     daso, model, x = daso_script(trace=trace)
     out["gap"] = (x - daso_native()).abs().max().item()
     out["trace"] = trace
-    out["options"] = {k: model.algorithm.options[k] for k in ("total_epochs", "sending_chunk_size", "downcast_type", "stability_level")}
+    out["options"] = {
+        k: model.algorithm.options[k]
+        for k in ("total_epochs", "sending_chunk_size", "downcast_type", "stability_level")
+    }
     out["attributes"] = (daso.max_gs, daso.split_val, daso.cast_dtype, daso.loc_gpus, daso.amp, len(daso.params_ref))
     _, _, x = daso_script(scheduler=True)
     out["scheduler_gap"] = (x - daso_native(scheduler=True)).abs().max().item()
@@ -299,8 +306,13 @@ def check_daso() -> dict:
     out["scaler_gap"] = (x - daso_native(scaler=True)).abs().max().item()
     out["amp"] = d.amp
     d, _, x = daso_script(use_mpi_groups=False, downcast_type=torch.half, sending_chunk_size=100, stability_level=0.1)
-    out["groups_gap"] = (x - daso_native(downcast_type=torch.half, sending_chunk_size=100, stability_level=0.1)).abs().max().item()
-    out["half_options"] = (d.module.algorithm.options["downcast_type"], d.module.algorithm.options["sending_chunk_size"])
+    out["groups_gap"] = (
+        (x - daso_native(downcast_type=torch.half, sending_chunk_size=100, stability_level=0.1)).abs().max().item()
+    )
+    out["half_options"] = (
+        d.module.algorithm.options["downcast_type"],
+        d.module.algorithm.options["sending_chunk_size"],
+    )
 
     # The scheduler really steps once per batch: lr halves every 5 batches.
     torch.manual_seed(0)
@@ -382,7 +394,12 @@ def test_daso_checklist_follows_the_daso_algorithm(daso_results):
         assert r["scaler_gap"] == 0.0 and r["amp"] is True
         assert r["groups_gap"] == 0.0
         assert r["half_options"] == (torch.half, 100)
-        assert r["options"] == {"total_epochs": EPOCHS, "sending_chunk_size": 10_000_000, "downcast_type": torch.bfloat16, "stability_level": 0.05}
+        assert r["options"] == {
+            "total_epochs": EPOCHS,
+            "sending_chunk_size": 10_000_000,
+            "downcast_type": torch.bfloat16,
+            "stability_level": 0.05,
+        }
         assert r["attributes"] == (4, 10_000_000, torch.bfloat16, 1, False, 6)
 
 

@@ -90,7 +90,9 @@ def test_heat_layer_under_mpiexec(tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "UNISON_NODES"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     for r in results:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import warnings
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, BNNet, batch, image_batch
+
+import unison
 
 
 def flat(tensors) -> torch.Tensor:

@@ -4,15 +4,15 @@ broadcast, the topology's groups, and DataParallel on a subgroup."""
 import copy
 import time
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import launch
-import unison
 from models import MLP, BNNet, batch
 from scenarios import max_diff, sgd, spread_across_ranks, step
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import unison
 
 
 def wrap_and_report(model_kwargs_by_rank, dp_kwargs_by_rank):

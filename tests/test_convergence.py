@@ -1,10 +1,10 @@
 """Every algorithm learns the digits as well as "allreduce": test accuracy
 within 1 point after the same number of samples (the `unison train` job)."""
 
+import launch
 import pytest
 import torch.distributed as dist
 
-import launch
 import unison
 from unison.apps import train
 

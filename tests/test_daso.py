@@ -5,14 +5,14 @@ skip schedule reacts to a flat loss; state, average() and GradScaler skips."""
 
 from __future__ import annotations
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
+
+import unison
 
 NODES = {"UNISON_NODES": "2"}
 
@@ -70,17 +70,29 @@ def check_phases(downcast: str) -> dict:
     topo = unison.topology()
     per_node, nodes = topo.local_world_size, topo.num_nodes
     t = Trainer(warmup_epochs=1, cooldown_epochs=1, total_epochs=4, downcast_type=downcast)
-    out = {"engine": None if t.model._core.reducer is None else t.model._core.reducer.world, "warm": [], "node": [], "cool": []}
+    out = {
+        "engine": None if t.model._core.reducer is None else t.model._core.reducer.world,
+        "warm": [],
+        "node": [],
+        "cool": [],
+    }
     out["epoch_end"], out["between"], out["merge_err"], out["merges"] = [], 0.0, 0.0, 0
     for _ in range(5):
         t.train()
         out["warm"].append(spreads(gather(flat(t.net)), per_node)[1])
     t.model.end_epoch(1.0)
-    out["cycling"] = (t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.local_skip, t.model.algorithm_state.schedule.batches_to_wait)
+    out["cycling"] = (
+        t.model.algorithm_state.schedule.global_skip,
+        t.model.algorithm_state.schedule.local_skip,
+        t.model.algorithm_state.schedule.batches_to_wait,
+    )
     sent = None
     for epoch in (1, 2):
         for _ in range(10):
-            sent_before, received_before = t.model.algorithm_state.schedule.syncs_sent, t.model.algorithm_state.schedule.syncs_received
+            sent_before, received_before = (
+                t.model.algorithm_state.schedule.syncs_sent,
+                t.model.algorithm_state.schedule.syncs_received,
+            )
             t.train()
             pre, now = gather(t.pre), gather(flat(t.net))
             node, world = spreads(now, per_node)
@@ -94,11 +106,18 @@ def check_phases(downcast: str) -> dict:
                     out["merge_err"] = max(out["merge_err"], (now[r] - expected).abs().max().item())
                 out["merges"] += 1
             if t.model.algorithm_state.schedule.syncs_sent > sent_before:
-                k, b = t.model.algorithm_state.schedule.pending_sync.local_rank, t.model.algorithm_state.schedule.pending_sync.batches_to_wait
+                k, b = (
+                    t.model.algorithm_state.schedule.pending_sync.local_rank,
+                    t.model.algorithm_state.schedule.pending_sync.batches_to_wait,
+                )
                 sent = (k, b, sum(pre[n * per_node + k] for n in range(nodes)) / nodes)
         t.model.end_epoch(1.0 / epoch)
         out["epoch_end"].append(spreads(gather(flat(t.net)), per_node)[1])
-    out["cooldown"] = (t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.local_skip, t.model.algorithm_state.schedule.batches_to_wait)
+    out["cooldown"] = (
+        t.model.algorithm_state.schedule.global_skip,
+        t.model.algorithm_state.schedule.local_skip,
+        t.model.algorithm_state.schedule.batches_to_wait,
+    )
     for _ in range(4):
         t.train()
         out["cool"].append(spreads(gather(flat(t.net)), per_node)[1])
@@ -111,10 +130,22 @@ def check_schedule() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = Trainer(warmup_epochs=0, max_global_skips=8)
     slope = 0.04 * (rank - (world - 1) / 2)  # rank 0's own loss improves; the average does not
-    seen = [(t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.local_skip, t.model.algorithm_state.schedule.batches_to_wait)]
+    seen = [
+        (
+            t.model.algorithm_state.schedule.global_skip,
+            t.model.algorithm_state.schedule.local_skip,
+            t.model.algorithm_state.schedule.batches_to_wait,
+        )
+    ]
     for e in range(1, 14):
         t.model.end_epoch(1.0 + slope * e)
-        seen.append((t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.local_skip, t.model.algorithm_state.schedule.batches_to_wait))
+        seen.append(
+            (
+                t.model.algorithm_state.schedule.global_skip,
+                t.model.algorithm_state.schedule.local_skip,
+                t.model.algorithm_state.schedule.batches_to_wait,
+            )
+        )
     for _ in range(3):  # an improvement restarts the count: 2 flat epochs after it are not yet a plateau
         t.model.end_epoch(0.5)
     seen.append((t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.plateau_bad))
@@ -127,7 +158,11 @@ def check_local_skip() -> dict:
     t = Trainer(warmup_epochs=0, max_global_skips=8)
     for _ in range(10):
         t.model.end_epoch(1.0)  # 3 flat epochs per halving: 4 -> 2 -> 1 -> reset
-    schedule = (t.model.algorithm_state.schedule.global_skip, t.model.algorithm_state.schedule.local_skip, t.model.algorithm_state.schedule.batches_to_wait)
+    schedule = (
+        t.model.algorithm_state.schedule.global_skip,
+        t.model.algorithm_state.schedule.local_skip,
+        t.model.algorithm_state.schedule.batches_to_wait,
+    )
     node_spread, after_merge = [], []
     for _ in range(12):
         received = t.model.algorithm_state.schedule.syncs_received
@@ -168,7 +203,11 @@ def check_state_average_scaler() -> dict:
     for i in range(6):
         u.train(scaler, bad=(i == 2 and topo.node == 0))
     u.model.end_epoch(1.0)
-    counts = gather(torch.tensor([float(u.model.algorithm_state.schedule.batches - batches), float(u.model.algorithm_state.schedule.epoch)]))
+    counts = gather(
+        torch.tensor(
+            [float(u.model.algorithm_state.schedule.batches - batches), float(u.model.algorithm_state.schedule.epoch)]
+        )
+    )
     final = spreads(gather(flat(u.net)), per_node)[1]
 
     u.model.switch_to("allreduce")

@@ -118,7 +118,17 @@ def test_cycling_sends_every_global_skip_batches_and_merges_batches_to_wait_late
         grads.append(s.sync_gradients())
         plans.append(s.end_batch())
     first, second, third = PendingSync(0, 2, 2), PendingSync(1, 2, 6), PendingSync(0, 2, 10)
-    assert plans == [Plan(send=first), Plan(), Plan(merge=first), Plan(), Plan(send=second), Plan(), Plan(merge=second), Plan(), Plan(send=third)]
+    assert plans == [
+        Plan(send=first),
+        Plan(),
+        Plan(merge=first),
+        Plan(),
+        Plan(send=second),
+        Plan(),
+        Plan(merge=second),
+        Plan(),
+        Plan(send=third),
+    ]
     assert grads == [True, False] * 4 + [True]  # node averaging every local_skip-th batch
     assert s.pending_sync == third and (s.syncs_sent, s.syncs_received) == (3, 2)
 

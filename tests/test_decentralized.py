@@ -8,15 +8,15 @@ computed by hand from every rank's pre-round weights.
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, BNNet, batch, image_batch
 from scenarios import spread_across_ranks
+
+import unison
 from unison.algorithms.gossip import ring_neighbours, round_robin_partner
 
 
@@ -38,7 +38,9 @@ def make(algorithm, net=None, momentum=0.0, **options):
     net = net or MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=momentum)
     options.setdefault("communication_interval", 1)  # these tests look at single rounds
-    if algorithm == "decentralized":  # ... of the classic, blocking schedule (tests/test_streaming.py: the streamed one)
+    if (
+        algorithm == "decentralized"
+    ):  # ... of the classic, blocking schedule (tests/test_streaming.py: the streamed one)
         options.setdefault("fragments", 1)
         options.setdefault("delay", 0)
     model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create(algorithm, **options))
@@ -102,7 +104,10 @@ def lowprec_copies(model):
     """This rank's public copy and replicas (by neighbour rank), flat in parameter order."""
     state = model.algorithm_state.state_dict()
     names = [n for n, _ in model.module.named_parameters()]
-    flat = lambda d: torch.cat([d[n].reshape(-1) for n in names])
+
+    def flat(d):
+        return torch.cat([d[n].reshape(-1) for n in names])
+
     return {"public": flat(state["public"]), "replicas": {peer: flat(r) for peer, r in state["replicas"].items()}}
 
 
@@ -116,11 +121,14 @@ def distance_to_neighbours(before, rank):
 
 
 def all_peers():
-    """"all": an idle round is the plain average; training keeps replicas identical."""
+    """ "all": an idle round is the plain average; training keeps replicas identical."""
     rank = dist.get_rank()
     net, opt, model = make("decentralized", peer_selection="all")
     before = idle_round(net, opt, 1)
-    out = {"vs_mean": (weights(net) - sum(before) / len(before)).abs().max().item(), "spread_idle": spread_across_ranks(net)}
+    out = {
+        "vs_mean": (weights(net) - sum(before) / len(before)).abs().max().item(),
+        "spread_idle": spread_across_ranks(net),
+    }
     spreads = []
     for s in range(3):
         train(model, opt, 1, start=s)
@@ -140,13 +148,21 @@ def shift_one_rounds():
         before = idle_round(net, opt, rnd + 1)
         after = weights(net)
         mine = before[rank].float()
-        matches = [j for j in range(len(before)) if j != rank and torch.equal(after.float(), (mine + before[j].float()) / 2)]
+        matches = [
+            j for j in range(len(before)) if j != rank and torch.equal(after.float(), (mine + before[j].float()) / 2)
+        ]
         partners.append(matches)
         exact.append(len(matches) == 1)
     bytes_per_round = model.algorithm_state.bytes_sent / 3
     numel = weights(net).numel()
     state = model.state_dict()["_unison_algorithm"]["state"]
-    return {"partners": partners, "exact": exact, "bytes_per_round": bytes_per_round, "numel": numel, "steps": state["steps"]}
+    return {
+        "partners": partners,
+        "exact": exact,
+        "bytes_per_round": bytes_per_round,
+        "numel": numel,
+        "steps": state["steps"],
+    }
 
 
 def momenta_spread(opt):
@@ -218,7 +234,11 @@ def lowprec_checkpoint():
     same_state = (
         round_trip["steps"] == algo_saved["steps"]
         and all(torch.equal(round_trip["public"][n], t) for n, t in algo_saved["public"].items())
-        and all(torch.equal(round_trip["replicas"][p][n], t) for p, r in algo_saved["replicas"].items() for n, t in r.items())
+        and all(
+            torch.equal(round_trip["replicas"][p][n], t)
+            for p, r in algo_saved["replicas"].items()
+            for n, t in r.items()
+        )
     )
     train(model, opt, 2, start=3)
     second = weights(net)
@@ -227,7 +247,11 @@ def lowprec_checkpoint():
     dist.broadcast_object_list(box, src=0)
     model.load_state_dict(box[0])
     train(model, opt, 2, start=5)
-    return {"same_state": same_state, "resumed_gap": (first - second).abs().max().item(), "copies_from_rank0": lowprec_copies(model)}
+    return {
+        "same_state": same_state,
+        "resumed_gap": (first - second).abs().max().item(),
+        "copies_from_rank0": lowprec_copies(model),
+    }
 
 
 def replicas_consistent(results, key):
@@ -245,7 +269,13 @@ def replicas_consistent(results, key):
 
 def four_ranks():
     results = {}
-    checks = {"all": all_peers, "shift_one": shift_one_rounds, "ring": ring_round, "lowprec": lowprec_rounds, "checkpoint": lowprec_checkpoint}
+    checks = {
+        "all": all_peers,
+        "shift_one": shift_one_rounds,
+        "ring": ring_round,
+        "lowprec": lowprec_rounds,
+        "checkpoint": lowprec_checkpoint,
+    }
     for name, fn in checks.items():
         results[name] = fn()
         dist.barrier()
@@ -345,7 +375,9 @@ def test_round_robin_meets_everyone_once_per_cycle(world):
         assert all(partners[p] == r and p != r for r, p in enumerate(partners))
         seen |= {frozenset((r, p)) for r, p in enumerate(partners)}
     assert len(seen) == world * (world - 1) // 2
-    assert [round_robin_partner(r, world, world - 1) for r in range(world)] == [round_robin_partner(r, world, 0) for r in range(world)]
+    assert [round_robin_partner(r, world, world - 1) for r in range(world)] == [
+        round_robin_partner(r, world, 0) for r in range(world)
+    ]
 
 
 def test_bad_options_are_refused_with_what_is_allowed():
@@ -356,7 +388,9 @@ def test_bad_options_are_refused_with_what_is_allowed():
             unison.algorithms.create("decentralized", communication_interval=bad)
         with pytest.raises(ValueError, match="communication_interval must be a positive integer"):
             unison.algorithms.create("low_precision_decentralized", communication_interval=bad)
-    with pytest.raises(ValueError, match=r"allowed options: period \(alias communication_interval\), fragments, delay$"):
+    with pytest.raises(
+        ValueError, match=r"allowed options: period \(alias communication_interval\), fragments, delay$"
+    ):
         unison.algorithms.create("low_precision_decentralized", peer_selection="ring")
 
 

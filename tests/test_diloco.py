@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import DIN, DOUT, MLP, BNNet, batch, image_batch
 from scenarios import max_diff, spread_across_ranks
+
+import unison
 
 
 def diloco(net, opt, **options):
@@ -47,7 +47,9 @@ def mean_over_ranks(tensors) -> list[torch.Tensor]:
 def record_before_outer(opt, log):
     """A step hook registered before DataParallel's: it sees the parameters after
     the inner step and before the outer step touches them."""
-    opt.register_step_post_hook(lambda o, _a, _k: log.append([p.detach().clone() for g in o.param_groups for p in g["params"]]))
+    opt.register_step_post_hook(
+        lambda o, _a, _k: log.append([p.detach().clone() for g in o.param_groups for p in g["params"]])
+    )
 
 
 def largest_gap(a, b) -> float:
@@ -107,7 +109,9 @@ def check_sync_and_hand() -> dict:
             snap = [p - lr * (gi + m * b) for p, gi, b in zip(snap, g, buf)]
             errors.append(largest_gap(snap, params(net)))
     out["hand_errors"] = errors
-    out["hand_buffer_error"] = largest_gap(buf, [model.algorithm_state.outer.state[p]["momentum_buffer"] for p in model.algorithm_state.snapshot])
+    out["hand_buffer_error"] = largest_gap(
+        buf, [model.algorithm_state.outer.state[p]["momentum_buffer"] for p in model.algorithm_state.snapshot]
+    )
     return out
 
 
@@ -162,7 +166,7 @@ def check_wire_and_overlap() -> dict:
     probe = torch.randn(256, DIN, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         out["loss_start"] = F.mse_loss(net(probe), probe @ teacher).item()
-    for s in range(120):
+    for _ in range(120):
         x = torch.randn(16, DIN, generator=g)
         train_step(model, opt, x, x @ teacher)
     out["in_flight_before_average"] = bool(model.algorithm_state.streams.inflight)

@@ -1,9 +1,8 @@
 """unison's "allreduce" gives the same parameters as torch DDP and as one
 process given the combined batch, in every situation DDP users meet."""
 
-import pytest
-
 import launch
+import pytest
 from scenarios import SCENARIOS, run_scenarios
 
 # Largest parameter difference allowed against DDP and against the single-process reference.
@@ -90,5 +89,8 @@ def test_state_dict(two_ranks):
 def test_buckets_replanned_from_real_gradient_order(two_ranks):
     result = two_ranks[0]["replanned"]
     assert result["plan_before"][0][0] == "inp.bias"  # reverse registration order
-    assert result["plan_after"][0][:2] == ["out.bias", "out.weight"] or result["plan_after"][0][:2] == ["out.weight", "out.bias"]
+    assert result["plan_after"][0][:2] == ["out.bias", "out.weight"] or result["plan_after"][0][:2] == [
+        "out.weight",
+        "out.bias",
+    ]
     assert result["plan_after"] == two_ranks[1]["replanned"]["plan_after"]

@@ -3,14 +3,14 @@ on real gloo ranks."""
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import sgd, spread_across_ranks, step
+
+import unison
 
 
 def relative_gap(a, b) -> float:
@@ -56,7 +56,9 @@ def switching():
     model = unison.DataParallel(MLP())
     opt = sgd(model)
     names, spreads = [], []
-    for s, algorithm in enumerate(["fp16", unison.algorithms.create("allreduce", hierarchical=True), "bf16", "allreduce"]):
+    for s, algorithm in enumerate(
+        ["fp16", unison.algorithms.create("allreduce", hierarchical=True), "bf16", "allreduce"]
+    ):
         step(model, opt, [(rank, *batch(s, rank))])
         model.switch_to(algorithm)
         names.append(model.algorithm.describe())
@@ -94,7 +96,12 @@ def test_hierarchical_equals_flat_allreduce_on_simulated_nodes():
 def test_switch_algorithms_mid_training():
     results = launch.run(switching, 2, timeout=90)
     for r in results:
-        assert r["names"] == ["fp16()", "allreduce(autotune=False, hierarchical=True)", "bf16()", "allreduce(autotune=False, hierarchical=False)"]
+        assert r["names"] == [
+            "fp16()",
+            "allreduce(autotune=False, hierarchical=True)",
+            "bf16()",
+            "allreduce(autotune=False, hierarchical=False)",
+        ]
         assert all(s == 0.0 for s in r["spreads"])
         assert "fp16()" in r["mismatch"] and "bf16()" in r["mismatch"]
 

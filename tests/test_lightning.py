@@ -26,13 +26,28 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "lightning_run.py")
 # Deterministic algorithms resumed from a checkpoint by the script (all but async, whose rounds follow the clock).
 RESUMED = ("allreduce", "local_sgd", "diloco", "powersgd", "bytegrad", "daso", "decentralized", "nonblocking")
 # Launch variables a surrounding launcher may have set; the runs set their own.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "UNISON_NODES")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "UNISON_NODES",
+)
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), root]))  # unison from this checkout unless installed
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [env.get("PYTHONPATH"), root])
+    )  # unison from this checkout unless installed
     env.update(extra)
     return env
 
@@ -65,7 +80,11 @@ _MAIN: dict = {}
 def _main_run(outdir) -> "list[dict] | str":
     try:
         proc = subprocess.run(
-            [sys.executable, SCRIPT, str(outdir), "main"], env=_env(UNISON_NODES="2"), capture_output=True, text=True, timeout=300
+            [sys.executable, SCRIPT, str(outdir), "main"],
+            env=_env(UNISON_NODES="2"),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     except subprocess.TimeoutExpired as exc:
         return f"the Lightning run did not finish within {exc.timeout} s (hang):\n{exc.stderr!r}"[-6000:]
@@ -87,8 +106,12 @@ def test_allreduce_matches_ddp_strategy(runs):
 def test_gradient_accumulation_matches_ddp_strategy(runs):
     for rank, r in enumerate(runs):
         gap = _diff(r["allreduce_accumulate"]["weights"], r["ddp_accumulate"]["weights"])
-        assert gap <= 1e-6, f"rank {rank}: with accumulate_grad_batches=3, UnisonStrategy differs from DDPStrategy by {gap:.3g}"
-    assert _diff(runs[0]["allreduce_accumulate"]["weights"], runs[0]["parity"]["weights"]) > 1e-3  # accumulation took effect
+        assert gap <= 1e-6, (
+            f"rank {rank}: with accumulate_grad_batches=3, UnisonStrategy differs from DDPStrategy by {gap:.3g}"
+        )
+    assert (
+        _diff(runs[0]["allreduce_accumulate"]["weights"], runs[0]["parity"]["weights"]) > 1e-3
+    )  # accumulation took effect
     # Backward passes inside an accumulation ran under no_sync: 9 synchronized passes instead of 24.
     sent, plain = runs[0]["allreduce_accumulate"]["bytes"], runs[0]["parity"]["bytes"]
     assert 0 < sent < 0.5 * plain, f"with accumulate_grad_batches=3 the wrapper sent {sent} bytes, without {plain}"
@@ -107,11 +130,15 @@ def test_process_group_comes_from_unison_init_with_the_node_layout(runs):
 @pytest.mark.parametrize("name", unison.algorithms.names())
 def test_every_algorithm_fits_and_ends_with_one_model(runs, name):
     a, b = runs[0][name], runs[1][name]
-    assert torch.equal(a["weights"], b["weights"]), f"{name}: replicas differ by {_diff(a['weights'], b['weights']):.3g} after fit"
+    assert torch.equal(a["weights"], b["weights"]), (
+        f"{name}: replicas differ by {_diff(a['weights'], b['weights']):.3g} after fit"
+    )
     # Validation saw one model on every rank (drifting replicas are averaged first).
     assert len(a["val_weights"]) == 3
     for epoch, (x, y) in enumerate(zip(a["val_weights"], b["val_weights"])):
-        assert torch.equal(x, y), f"{name}: validation after epoch {epoch} saw replicas that differ by {_diff(x, y):.3g}"
+        assert torch.equal(x, y), (
+            f"{name}: validation after epoch {epoch} saw replicas that differ by {_diff(x, y):.3g}"
+        )
     # model.end_epoch got the epoch's logged training loss.
     assert a["end_epoch"] == a["epoch_losses"] and len(a["end_epoch"]) == 3
     # Teardown closed the wrapper: no algorithm thread is left behind.
@@ -128,7 +155,9 @@ def test_without_averaging_before_eval_each_rank_validates_its_replica(runs):
 def test_checkpoint_resume_gives_the_uninterrupted_weights(runs, name):
     for rank, r in enumerate(runs):
         resumed, straight = r[f"{name}_resumed"]["weights"], r[name]["weights"]
-        assert torch.equal(resumed, straight), f"{name}, rank {rank}: resumed from epoch 0 differs from the uninterrupted run by {_diff(resumed, straight):.3g}"
+        assert torch.equal(resumed, straight), (
+            f"{name}, rank {rank}: resumed from epoch 0 differs from the uninterrupted run by {_diff(resumed, straight):.3g}"
+        )
 
 
 def test_checkpoint_publishes_the_averaged_model(runs):
@@ -143,7 +172,9 @@ def test_checkpoint_publishes_the_averaged_model(runs):
 def test_switch_from_a_callback_and_resume_with_the_switched_algorithm(runs):
     for r in runs:
         assert r["switch"]["algorithm"].startswith("diloco(")
-        assert r["switch_resumed"]["algorithm"].startswith("diloco(")  # the checkpoint's algorithm, not the constructor's
+        assert r["switch_resumed"]["algorithm"].startswith(
+            "diloco("
+        )  # the checkpoint's algorithm, not the constructor's
         assert torch.equal(r["switch_resumed"]["weights"], r["switch"]["weights"])
     assert torch.equal(runs[0]["switch"]["weights"], runs[1]["switch"]["weights"])
 
@@ -154,9 +185,23 @@ def test_a_dead_rank_is_named_not_waited_for(tmp_path):
     procs = []
     for rank in range(2):
         env = _env(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
         )
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), "fail"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, str(tmp_path), "fail"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for p in procs:
@@ -174,5 +219,8 @@ def test_a_dead_rank_is_named_not_waited_for(tmp_path):
 
 
 def test_importing_unison_does_not_import_lightning():
-    code = "import sys, unison, unison.integrations; sys.exit(any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules))"
+    code = (
+        "import sys, unison, unison.integrations; "
+        "sys.exit(any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", code], env=_env(), timeout=120).returncode == 0

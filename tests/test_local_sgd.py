@@ -2,15 +2,15 @@
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
+
+import unison
 
 
 def spread_in(group, model) -> float:
@@ -28,8 +28,10 @@ def flat_run():
     nets = {name: copy.deepcopy(base) for name in ("allreduce", "local_sgd")}
     opts = {k: torch.optim.SGD(n.parameters(), lr=0.05) for k, n in nets.items()}
     alg = unison.algorithms.create("local_sgd", period=3, warmup_steps=2, fragments=1, delay=0)
-    models = {"allreduce": unison.DataParallel(nets["allreduce"], optimizer=opts["allreduce"]),
-              "local_sgd": unison.DataParallel(nets["local_sgd"], optimizer=opts["local_sgd"], algorithm=alg)}
+    models = {
+        "allreduce": unison.DataParallel(nets["allreduce"], optimizer=opts["allreduce"]),
+        "local_sgd": unison.DataParallel(nets["local_sgd"], optimizer=opts["local_sgd"], algorithm=alg),
+    }
     out = {"gap_after_warmup": None, "spreads": []}
     for s in range(8):
         x, y = batch(s, rank)
@@ -42,7 +44,9 @@ def flat_run():
         out["spreads"].append(spread_across_ranks(nets["local_sgd"]))
     state = models["local_sgd"].state_dict()["_unison_algorithm"]
     out["state"] = state
-    fresh = unison.DataParallel(copy.deepcopy(base), optimizer=torch.optim.SGD(base.parameters(), lr=0.05), algorithm="local_sgd")
+    fresh = unison.DataParallel(
+        copy.deepcopy(base), optimizer=torch.optim.SGD(base.parameters(), lr=0.05), algorithm="local_sgd"
+    )
     fresh.load_state_dict(models["local_sgd"].state_dict())
     out["restored_steps"] = fresh.algorithm_state.steps
     models["local_sgd"].average()
@@ -57,7 +61,11 @@ def sync_is_the_average():
     torch.manual_seed(0)
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("local_sgd", period=2, warmup_steps=0, fragments=1, delay=0))
+    model = unison.DataParallel(
+        net,
+        optimizer=opt,
+        algorithm=unison.algorithms.create("local_sgd", period=2, warmup_steps=0, fragments=1, delay=0),
+    )
     x, y = batch(0, rank)
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
@@ -80,7 +88,9 @@ def hierarchical_run():
     torch.manual_seed(0)
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    alg = unison.algorithms.create("local_sgd", period=4, warmup_steps=0, hierarchical=True, local_period=2, fragments=1, delay=0)
+    alg = unison.algorithms.create(
+        "local_sgd", period=4, warmup_steps=0, hierarchical=True, local_period=2, fragments=1, delay=0
+    )
     model = unison.DataParallel(net, optimizer=opt, algorithm=alg)
     rows = []
     for s in range(4):

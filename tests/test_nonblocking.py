@@ -3,15 +3,15 @@ updates applied layer by layer at the next forward."""
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, BNNet, Branchy, batch, image_batch
 from scenarios import max_diff, spread_across_ranks
+
+import unison
 
 
 class Shared(torch.nn.Module):
@@ -73,7 +73,9 @@ def cases():
         "scheduler": twin(MLP, sgd, scheduler=True),
         "two_optimizers": twin(MLP, two),
         "batchnorm_eval": twin(BNNet, sgd, data=image_batch, eval_every=2),
-        "branches": twin(Branchy, sgd, loss_fn=lambda m, x, y: F.mse_loss(m(x, branch="a" if x[0, 0] > 0 else "b"), y), steps=8),
+        "branches": twin(
+            Branchy, sgd, loss_fn=lambda m, x, y: F.mse_loss(m(x, branch="a" if x[0, 0] > 0 else "b"), y), steps=8
+        ),
     }
     # state_dict flushes: the saved weights include the last step.
     torch.manual_seed(0)
@@ -86,7 +88,9 @@ def cases():
         F.mse_loss(model(x), y).backward()
         before = copy.deepcopy(net.state_dict())
         opt.step()
-    out["deferred"] = model._core.reducer._unfinished and all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    out["deferred"] = model._core.reducer._unfinished and all(
+        torch.equal(v, before[k]) for k, v in net.state_dict().items()
+    )
     saved = model.state_dict()
     out["state_dict_flushes"] = any(not torch.equal(saved[k], before[k]) for k in before)
     # A parameter used outside its module's forward is refused, not silently stale.

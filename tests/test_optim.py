@@ -10,17 +10,17 @@ import subprocess
 import sys
 import warnings
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import launch
-import unison
-from unison.apps.train import QADAM_LR
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import unison
+from unison.apps.train import QADAM_LR
 
 STEPS = 4
 
@@ -126,7 +126,9 @@ def added_group_joins():
     da = DDP(a)
     oa = sgd(a)
     named = list(b.named_parameters())
-    ob = unison.DistributedOptimizer(torch.optim.SGD([p for _, p in named[:2]], lr=0.05, momentum=0.9), named_parameters=named)
+    ob = unison.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in named[:2]], lr=0.05, momentum=0.9), named_parameters=named
+    )
     ob.add_param_group({"params": [p for _, p in named[2:]]})
     for s in range(STEPS):
         x, y = batch(s, rank)
@@ -312,7 +314,9 @@ def after_warmup_and_round_trip():
 
     # The momentum the algorithm keeps is the one the optimizer steps with.
     momentum = db.algorithm_state.state_dict()["momentum"]
-    out["momentum_is_exp_avg"] = all(torch.equal(momentum[n], ob.state[p]["exp_avg"]) for n, p in db.module.named_parameters())
+    out["momentum_is_exp_avg"] = all(
+        torch.equal(momentum[n], ob.state[p]["exp_avg"]) for n, p in db.module.named_parameters()
+    )
 
     model_state, opt_state = copy.deepcopy(db.state_dict()), copy.deepcopy(ob.state_dict())
     torch.manual_seed(123)
@@ -324,7 +328,9 @@ def after_warmup_and_round_trip():
         train_step(fresh, fresh_opt, *regression(s, rank))
     out["round_trip_diff"] = max_diff(db, fresh)
     after, restored = db.algorithm_state.state_dict()["momentum"], fresh.algorithm_state.state_dict()["momentum"]
-    out["round_trip_momentum"] = sorted(after) == sorted(restored) and all(torch.equal(after[n], restored[n]) for n in after)
+    out["round_trip_momentum"] = sorted(after) == sorted(restored) and all(
+        torch.equal(after[n], restored[n]) for n in after
+    )
     out["saved_momentum"] = len(model_state.get("_unison_algorithm", {}).get("state", {}).get("momentum", {}))
     out["params"] = len(list(db.parameters()))
     return out
@@ -334,14 +340,20 @@ def with_distributed_optimizer():
     """qadam also runs under DistributedOptimizer: past warm-up every rank stays identical."""
     rank = dist.get_rank()
     net = ranks_start_apart()
-    opt = unison.DistributedOptimizer(unison.QAdamOptimizer(net.parameters(), lr=0.01, warmup_steps=20), net.named_parameters(), algorithm="qadam")
+    opt = unison.DistributedOptimizer(
+        unison.QAdamOptimizer(net.parameters(), lr=0.01, warmup_steps=20), net.named_parameters(), algorithm="qadam"
+    )
     for s in range(25):
         train_step(net, opt, *regression(s, rank))
     return spread_across_ranks(net)
 
 
 def qadam_checks():
-    return {"warmup": warmup_is_adam(), "after": after_warmup_and_round_trip(), "dopt_spread": with_distributed_optimizer()}
+    return {
+        "warmup": warmup_is_adam(),
+        "after": after_warmup_and_round_trip(),
+        "dopt_spread": with_distributed_optimizer(),
+    }
 
 
 @pytest.fixture(scope="module")

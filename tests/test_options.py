@@ -43,7 +43,13 @@ def test_unknown_algorithm_lists_the_names():
 
 @pytest.mark.parametrize(
     "text",
-    ["powersgd:rank=0", "local_sgd:period=0", "decentralized:communication_interval=-2", "diloco:inner_steps=0", "async:sync_interval_ms=0"],
+    [
+        "powersgd:rank=0",
+        "local_sgd:period=0",
+        "decentralized:communication_interval=-2",
+        "diloco:inner_steps=0",
+        "async:sync_interval_ms=0",
+    ],
 )
 def test_non_positive_periods_and_ranks_are_refused(text):
     option = text.split(":")[1].split("=")[0]
@@ -54,14 +60,23 @@ def test_non_positive_periods_and_ranks_are_refused(text):
 def test_bad_dataparallel_settings_are_refused():
     import torch
 
-    for kwargs, match in [({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"bucket_cap_mb": "25"}, "bucket_cap_mb"), ({"nonfinite": "nan"}, "nonfinite")]:
+    for kwargs, match in [
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"bucket_cap_mb": "25"}, "bucket_cap_mb"),
+        ({"nonfinite": "nan"}, "nonfinite"),
+    ]:
         with pytest.raises(ValueError, match=match):
             unison.DataParallel(torch.nn.Linear(2, 2), **kwargs)
 
 
 def test_options_written_in_the_name():
     algorithm = create("decentralized:peer_selection=ring,communication_interval=4")
-    assert algorithm.options == {"peer_selection": "ring", "communication_interval": 4, "fragments": None, "delay": None}
+    assert algorithm.options == {
+        "peer_selection": "ring",
+        "communication_interval": 4,
+        "fragments": None,
+        "delay": None,
+    }
     assert create("powersgd:rank=2", start_iter=0).options["rank"] == 2
     with pytest.raises(ValueError, match="key=value"):
         create("powersgd:rank")

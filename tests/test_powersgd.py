@@ -7,16 +7,16 @@ from __future__ import annotations
 import copy
 import io
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
+from torch import nn
+
+import unison
 
 
 def big_mlp() -> nn.Module:
@@ -57,7 +57,10 @@ def check_bytes() -> dict:
     """(a) bytes per step of a 0.8M-parameter MLP once compression runs, against allreduce."""
     rank = dist.get_rank()
     out = {}
-    for name, make in (("allreduce", lambda n: unison.DataParallel(n)), ("powersgd", lambda n: dp(n, rank=4, start_iter=1))):
+    for name, make in (
+        ("allreduce", lambda n: unison.DataParallel(n)),
+        ("powersgd", lambda n: dp(n, rank=4, start_iter=1)),
+    ):
         model = make(big_mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
@@ -98,7 +101,11 @@ def check_warmup_is_allreduce() -> dict:
         train_step(ref, ref_opt, x, y)
         train_step(model, opt, x, y)
         diffs.append(max_diff(ref.module, model.module))
-    return {"diffs": diffs, "bytes": model.comm_stats["bytes_last_step"], "ref_bytes": ref.comm_stats["bytes_last_step"]}
+    return {
+        "diffs": diffs,
+        "bytes": model.comm_stats["bytes_last_step"],
+        "ref_bytes": ref.comm_stats["bytes_last_step"],
+    }
 
 
 def check_low_rank_exact() -> dict:
@@ -177,7 +184,10 @@ def check_state_round_trip() -> dict:
     torch.manual_seed(6)
     d = dp(MLP(hidden=32), rank=1, start_iter=1)
     no_q = dict(saved)
-    no_q["_unison_algorithm"] = {**saved["_unison_algorithm"], "state": {**saved["_unison_algorithm"]["state"], "qs": {}}}
+    no_q["_unison_algorithm"] = {
+        **saved["_unison_algorithm"],
+        "state": {**saved["_unison_algorithm"]["state"], "qs": {}},
+    }
     d.load_state_dict(no_q)
     steps = (a.algorithm_state.passes, b.algorithm_state.passes)
     before = max_diff(a.module, b.module)

@@ -5,15 +5,15 @@ import os
 import signal
 import time
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import spread_across_ranks
+
+import unison
 
 PG_TIMEOUT = 6  # seconds a collective waits for a silent peer in these tests
 
@@ -21,7 +21,11 @@ PG_TIMEOUT = 6  # seconds a collective waits for a silent peer in these tests
 def build(algorithm="allreduce", **kwargs):
     torch.manual_seed(0)
     net = MLP()
-    opt = unison.QAdamOptimizer(net.parameters(), lr=1e-3, warmup_steps=2) if algorithm.startswith("qadam") else torch.optim.SGD(net.parameters(), lr=0.05)
+    opt = (
+        unison.QAdamOptimizer(net.parameters(), lr=1e-3, warmup_steps=2)
+        if algorithm.startswith("qadam")
+        else torch.optim.SGD(net.parameters(), lr=0.05)
+    )
     return net, opt, unison.DataParallel(net, optimizer=opt, algorithm=algorithm, **kwargs)
 
 
@@ -162,7 +166,16 @@ def train_until_a_rank_fails(algorithm, how):
     return None
 
 
-@pytest.mark.parametrize("algorithm,how,world", [("allreduce", "exit", 3), ("allreduce", "stop", 2), ("async", "exit", 2), ("nonblocking", "exit", 2), ("local_sgd:period=2", "exit", 2)])
+@pytest.mark.parametrize(
+    "algorithm,how,world",
+    [
+        ("allreduce", "exit", 3),
+        ("allreduce", "stop", 2),
+        ("async", "exit", 2),
+        ("nonblocking", "exit", 2),
+        ("local_sgd:period=2", "exit", 2),
+    ],
+)
 def test_survivors_name_the_rank_that_died_or_went_silent(algorithm, how, world):
     outcomes = launch.run_outcomes(train_until_a_rank_fails, world, algorithm, how, timeout=90, pg_timeout=PG_TIMEOUT)
     assert outcomes[1]["exitcode"] != 0

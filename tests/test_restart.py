@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 
-import torch
-
 import launch
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "resume_train.py")
 TRAIN = ["train", "--epochs", "3", "--checkpoint-every", "10"]  # 23 steps per epoch
@@ -16,7 +15,9 @@ TRAIN = ["train", "--epochs", "3", "--checkpoint-every", "10"]  # 23 steps per e
 
 def unison_cli(*args: str, env: dict = None, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "unison", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "unison", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def weights(path) -> dict:
@@ -28,8 +29,16 @@ def test_train_killed_mid_epoch_restarts_and_ends_exactly_as_uninterrupted(tmp_p
     the final weights, loss and accuracy are those of the run that was never killed."""
     straight = unison_cli(*TRAIN, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = unison_cli(*TRAIN, "--checkpoint-dir", str(tmp_path / "b"), "--max-restarts", "1", "--json", str(tmp_path / "b.json"),
-                        env={"UNISON_TEST_KILL": "1:25"})
+    killed = unison_cli(
+        *TRAIN,
+        "--checkpoint-dir",
+        str(tmp_path / "b"),
+        "--max-restarts",
+        "1",
+        "--json",
+        str(tmp_path / "b.json"),
+        env={"UNISON_TEST_KILL": "1:25"},
+    )
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "SIGKILL" in killed.stderr  # the kill was real, and the launcher saw it
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
@@ -46,7 +55,17 @@ def test_train_killed_mid_epoch_restarts_and_ends_exactly_as_uninterrupted(tmp_p
 def test_train_without_restarts_fails_clearly_and_resumes_when_run_again(tmp_path):
     """With no restarts left the kill ends the run with an error naming the rank; running the
     same command again resumes from the checkpoint (a model-averaging algorithm, per-epoch checkpoints)."""
-    args = ["train", "--epochs", "2", "--algorithm", "local_sgd", "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    args = [
+        "train",
+        "--epochs",
+        "2",
+        "--algorithm",
+        "local_sgd",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "s.json"),
+    ]
     failed = unison_cli(*args, env={"UNISON_TEST_KILL": "1:30"})
     assert failed.returncode == 1
     assert "a worker process failed" in failed.stderr and "SIGKILL" in failed.stderr
@@ -61,7 +80,9 @@ def test_train_without_restarts_fails_clearly_and_resumes_when_run_again(tmp_pat
     rerun = json.loads((tmp_path / "s.json").read_text())
     assert rerun["resumed_from_step"] == rerun["steps"] == 46
     assert (rerun["test_accuracy"], rerun["final_loss"]) == (summary["test_accuracy"], summary["final_loss"])
-    changed = unison_cli("train", "--epochs", "2", "--algorithm", "local_sgd", "--batch-size", "16", "--checkpoint-dir", str(tmp_path))
+    changed = unison_cli(
+        "train", "--epochs", "2", "--algorithm", "local_sgd", "--batch-size", "16", "--checkpoint-dir", str(tmp_path)
+    )
     assert changed.returncode == 1 and "batch_size=32, but this one has batch_size=16" in changed.stderr
 
 
@@ -82,8 +103,20 @@ def straight_script_run(ckpt: str, out: str) -> None:
 def test_torchrun_restarts_a_script_from_its_checkpoint(tmp_path):
     """torchrun --max-restarts 1 over the README's pattern: rank 1 calls os._exit(1) after step 13,
     torchrun restarts both, they resume from step 10 and end where an unkilled run ends."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           SCRIPT, str(tmp_path / "ckpt.pt"), str(tmp_path / "killed.pt"), "13"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        SCRIPT,
+        str(tmp_path / "ckpt.pt"),
+        str(tmp_path / "killed.pt"),
+        "13",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # unison.init copes with torchrun's shared store itself
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,16 +9,34 @@ from unison.runtime import detect_launch, first_host
 
 
 def test_torchrun_environment():
-    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": "1234"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "h1",
+        "MASTER_PORT": "1234",
+    }
     info = detect_launch(env)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 8, 1, 2)
     assert (info.master_addr, info.master_port, info.launcher) == ("h1", 1234, "torchrun")
 
 
 def test_openmpi_environment():
-    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "6",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+    }
     info = detect_launch(env)
-    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.launcher) == (5, 6, 2, 3, "openmpi")
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.launcher) == (
+        5,
+        6,
+        2,
+        3,
+        "openmpi",
+    )
     assert (info.master_addr, info.master_port) == ("127.0.0.1", 29500)
 
 

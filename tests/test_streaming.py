@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import copy
 
+import launch
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
+
+import unison
 from unison.algorithms.streaming import Stagger, default_schedule, fragments_of
 
 PERIOD, FRAGMENTS, DELAY, STEPS = 4, 2, 1, 12
@@ -66,7 +66,10 @@ def check_against_hand(name: str, options: dict) -> dict:
     algorithm = unison.algorithms.create(name, period=PERIOD, fragments=FRAGMENTS, delay=DELAY, **options)
     model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm)
     if name == "diloco":
-        snaps = [[t.detach().clone() for t in f] for f in [[t for _, t in f] for f in fragments_of(list(ref.named_parameters()), FRAGMENTS)]]
+        snaps = [
+            [t.detach().clone() for t in f]
+            for f in [[t for _, t in f] for f in fragments_of(list(ref.named_parameters()), FRAGMENTS)]
+        ]
         bufs: dict = {}
         lr, m, mixing = algorithm.outer_lr, algorithm.outer_momentum, algorithm.mixing
 
@@ -143,7 +146,9 @@ def check_resume(name: str, options: dict) -> dict:
     return {"in_flight": in_flight, "gaps": gaps, "moved": spread_across_ranks(net)}
 
 
-@pytest.mark.parametrize("case", ["local_sgd", "decentralized_ring", "diloco_mixing", "diloco_int8", "low_precision_decentralized"])
+@pytest.mark.parametrize(
+    "case", ["local_sgd", "decentralized_ring", "diloco_mixing", "diloco_int8", "low_precision_decentralized"]
+)
 def test_checkpoint_with_a_sync_in_flight_resumes_exactly(case):
     for r in launch.run(check_resume, 2, *CASES[case], timeout=90):
         assert r["in_flight"] == 1
@@ -159,7 +164,13 @@ def check_int8() -> dict:
     for wire in ("fp32", "int8"):
         net = copy.deepcopy(base)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("diloco", period=PERIOD, fragments=FRAGMENTS, delay=DELAY, wire_dtype=wire))
+        model = unison.DataParallel(
+            net,
+            optimizer=opt,
+            algorithm=unison.algorithms.create(
+                "diloco", period=PERIOD, fragments=FRAGMENTS, delay=DELAY, wire_dtype=wire
+            ),
+        )
         for s in range(1, 4 * PERIOD + 1):
             train_step(model, opt, s, rank)
         out[wire] = model.algorithm_state.bytes_sent
@@ -179,7 +190,12 @@ def test_int8_pseudo_gradients_send_a_quarter_and_stay_close():
 
 def test_fragments_cover_every_element_once_in_equal_runs():
     for count in (1, 2, 3, 5):
-        tensors = [("a", torch.zeros(10)), ("b", torch.zeros(3, 4)), ("c", torch.zeros(4, 3).t()), ("d", torch.zeros(7))]
+        tensors = [
+            ("a", torch.zeros(10)),
+            ("b", torch.zeros(3, 4)),
+            ("c", torch.zeros(4, 3).t()),
+            ("d", torch.zeros(7)),
+        ]
         runs = fragments_of(tensors, count)
         assert len(runs) <= count
         for run in runs:
@@ -187,14 +203,23 @@ def test_fragments_cover_every_element_once_in_equal_runs():
                 view.add_(1)
         assert all(bool((t == 1).all()) for _, t in tensors)
         assert any(v is tensors[2][1] for run in runs for _, v in run)  # the non-contiguous one goes whole
-    sizes = [sum(v.numel() for _, v in run) for run in fragments_of([("w", torch.zeros(100)), ("b", torch.zeros(3))], 4)]
+    sizes = [
+        sum(v.numel() for _, v in run) for run in fragments_of([("w", torch.zeros(100)), ("b", torch.zeros(3))], 4)
+    ]
     assert max(sizes) - min(sizes) <= 1
 
 
 def test_stagger_spreads_the_syncs_over_the_period():
     stagger = Stagger(16, 4, 2)
     assert {s: stagger.launching(s) for s in range(1, 33) if stagger.launching(s)} == {
-        4: [0], 8: [1], 12: [2], 16: [3], 20: [0], 24: [1], 28: [2], 32: [3]
+        4: [0],
+        8: [1],
+        12: [2],
+        16: [3],
+        20: [0],
+        24: [1],
+        28: [2],
+        32: [3],
     }
     assert Stagger(16, 1, 0).launching(16) == [0] and Stagger(16, 1, 0).launching(8) == []
     assert (default_schedule(16, None, None).fragments, default_schedule(16, None, None).delay) == (4, 2)
@@ -216,7 +241,7 @@ def check_lowprec_streamed(fragments: int, delay: int, name: str = "low_precisio
     with torch.no_grad():
         start = F.mse_loss(net(probe), probe @ teacher).item()
     spreads = []
-    for s in range(1, 61):
+    for _ in range(1, 61):
         x = torch.randn(16, 16, generator=g)
         opt.zero_grad()
         F.mse_loss(model(x), x @ teacher).backward()

@@ -1,14 +1,14 @@
 """switch_to() from every algorithm to every other while training goes on:
 the switch leaves the replicas identical and the loss keeps falling."""
 
+import launch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import launch
-import unison
 from models import MLP, batch
 from scenarios import spread_across_ranks
+
+import unison
 
 
 def every_pair():
@@ -39,7 +39,12 @@ def every_pair():
             spreads.append((a, b, spread_across_ranks(net)))
             train()
     model.switch_to("allreduce")
-    return {"bad": [s for s in spreads if s[2] != 0.0], "pairs": len(spreads), "first": sum(losses[:8]), "last": sum(losses[-8:])}
+    return {
+        "bad": [s for s in spreads if s[2] != 0.0],
+        "pairs": len(spreads),
+        "first": sum(losses[:8]),
+        "last": sum(losses[-8:]),
+    }
 
 
 def test_switch_between_every_pair_of_algorithms():

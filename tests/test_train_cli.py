@@ -55,12 +55,15 @@ def test_algorithm_takes_options_as_bench_does(tmp_path):
     assert 10_000 < summary["bytes_per_step"] < 16_000
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("powersgd:rank=0", "rank must be a positive integer"),
-    ("powersgd:bogus=1", "has no option 'bogus'"),
-    ("powersgd:rank", "write name:key=value"),
-    ("nccl_magic:rank=2", "unknown algorithm 'nccl_magic'"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("powersgd:rank=0", "rank must be a positive integer"),
+        ("powersgd:bogus=1", "has no option 'bogus'"),
+        ("powersgd:rank", "write name:key=value"),
+        ("nccl_magic:rank=2", "unknown algorithm 'nccl_magic'"),
+    ],
+)
 def test_a_bad_algorithm_spec_is_refused_before_anything_starts(capsys, spec, words):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--algorithm", spec])

@@ -9,7 +9,16 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "without_numpy.py")
 
 
 def test_two_ranks_train_save_and_load_without_numpy(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path / "c.pt")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        str(tmp_path / "c.pt"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

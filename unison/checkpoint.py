@@ -81,7 +81,10 @@ def save(
     _check_plain(extra, "extra")
     rank, world = _rank_and_size(None)
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
-    per_rank = world > 1 and ((algorithm is not None and algorithm.replicas_drift) or any(isinstance(o, DistributedOptimizer) for o in optimizers))
+    per_rank = world > 1 and (
+        (algorithm is not None and algorithm.replicas_drift)
+        or any(isinstance(o, DistributedOptimizer) for o in optimizers)
+    )
 
     try:
         if isinstance(model, DataParallel):
@@ -170,9 +173,13 @@ def load(
         raise ValueError(next(text for kind, text in outcomes if kind == "error"))
     if "missing" in kinds:
         ranks = [r for r, (kind, _) in enumerate(outcomes) if kind == "missing"]
-        raise FileNotFoundError(f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem every rank can read")
+        raise FileNotFoundError(
+            f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem every rank can read"
+        )
     if len({text for _, text in outcomes}) > 1:
-        raise ValueError(f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again")
+        raise ValueError(
+            f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again"
+        )
     assert checkpoint is not None
 
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
@@ -187,7 +194,9 @@ def load(
             )
         restore_algorithm = False
     if len(checkpoint["optimizers"]) != len(optimizers):
-        raise ValueError(f"checkpoint {path} holds {len(checkpoint['optimizers'])} optimizer state(s) but {len(optimizers)} optimizer(s) were given")
+        raise ValueError(
+            f"checkpoint {path} holds {len(checkpoint['optimizers'])} optimizer state(s) but {len(optimizers)} optimizer(s) were given"
+        )
 
     entry, same_world = entry_for_rank(checkpoint["ranks"], rank, world)
     if not same_world:
@@ -286,7 +295,9 @@ def _check_plain(obj: Any, where: str) -> None:
         for i, value in enumerate(obj):
             _check_plain(value, f"{where}[{i}]")
     elif not isinstance(obj, _PLAIN):
-        raise TypeError(f"{where} is a {type(obj).__name__}; a checkpoint's extra holds plain data only (numbers, strings, lists, dicts, tensors)")
+        raise TypeError(
+            f"{where} is a {type(obj).__name__}; a checkpoint's extra holds plain data only (numbers, strings, lists, dicts, tensors)"
+        )
 
 
 def to_cpu(obj: Any) -> Any:
@@ -346,10 +357,13 @@ def _read(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not a unison checkpoint (torch.load failed: {exc})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(
-            f"{path} is not a unison checkpoint (written by unison.save); a plain state dict loads with model.load_state_dict(torch.load(path))"
+            f"{path} is not a unison checkpoint (written by unison.save); "
+            "a plain state dict loads with model.load_state_dict(torch.load(path))"
         )
     if checkpoint.get("version") != VERSION:
-        raise ValueError(f"{path} is a unison checkpoint of version {checkpoint.get('version')!r}; this unison reads version {VERSION}")
+        raise ValueError(
+            f"{path} is a unison checkpoint of version {checkpoint.get('version')!r}; this unison reads version {VERSION}"
+        )
     return checkpoint
 
 

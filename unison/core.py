@@ -120,7 +120,9 @@ class Core:
         self.hooks = Hooks(self.clock)
         self.reducer: Optional[GradReducer] = None
         self.dispatcher: Optional[Dispatcher] = None
-        self.replica = Replica(named_parameters, named_buffers, self.optimizers, group, tag, self, modules, broadcast_buffers)
+        self.replica = Replica(
+            named_parameters, named_buffers, self.optimizers, group, tag, self, modules, broadcast_buffers
+        )
         # What algorithms and engines that have left sent, and their synchronized backward passes.
         self.retired_bytes = 0
         self.retired_passes = 0

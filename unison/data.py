@@ -73,7 +73,9 @@ class ShardSampler(DistributedSampler):
         """
         if start is not None:
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"start must be a non-negative integer (samples of this rank's shard to skip), got {start!r}")
+                raise ValueError(
+                    f"start must be a non-negative integer (samples of this rank's shard to skip), got {start!r}"
+                )
             skip = start * self.num_replicas
         elif epoch == self.epoch:
             skip = self._skip
@@ -124,7 +126,9 @@ class ShardSampler(DistributedSampler):
         that epoch yields the rest of it. The dataset, seed and shuffling must match."""
         for key, mine in (("dataset_len", len(self.dataset)), ("seed", self.seed), ("shuffle", self.shuffle)):  # type: ignore[arg-type]
             if state[key] != mine:
-                raise ValueError(f"the saved sampler has {key}={state[key]!r} but this one has {key}={mine!r}; the data order would differ")
+                raise ValueError(
+                    f"the saved sampler has {key}={state[key]!r} but this one has {key}={mine!r}; the data order would differ"
+                )
         super().set_epoch(int(state["epoch"]))
         self._skip = self._consumed = int(state["consumed"])
 

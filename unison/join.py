@@ -80,7 +80,10 @@ class Join:
     """
 
     def __init__(
-        self, hook: JoinHook, divide_by_initial_world_size: bool = True, enable: bool = True,
+        self,
+        hook: JoinHook,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
         throw_on_early_termination: bool = False,
     ) -> None:
         self.hook = hook
@@ -131,7 +134,9 @@ class Join:
         while True:
             active, total, _ = self._exchange(0, 0, 1)
             if self.throw and active:
-                raise RuntimeError(f"rank {self.hook.rank} ran out of inputs (model.join(throw_on_early_termination=True))")
+                raise RuntimeError(
+                    f"rank {self.hook.rank} ran out of inputs (model.join(throw_on_early_termination=True))"
+                )
             if active == 0:
                 return
             self._set_scale(active)

@@ -129,7 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return getattr(optimizer, name)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r}, algorithm={self.algorithm.describe()}, backward_passes_per_step={self.backward_passes_per_step})"
+        passes = self.backward_passes_per_step
+        return f"DistributedOptimizer({self.optimizer!r}, algorithm={self.algorithm.describe()}, backward_passes_per_step={passes})"
 
     # ---- set-up ----------------------------------------------------------
     def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -199,7 +200,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = param_group.get("params", [])
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if self._names is not None and any(id(p) not in self._names for p in params):
-            raise ValueError("a parameter of the new group is not in named_parameters; name it when wrapping the optimizer")
+            raise ValueError(
+                "a parameter of the new group is not in named_parameters; name it when wrapping the optimizer"
+            )
         self.optimizer.add_param_group({**param_group, "params": params})
         if self.process_group is None:
             return
@@ -234,8 +237,15 @@ def _name_map(named_parameters: Optional[NamedParameters]) -> Optional[dict[int,
     names: dict[int, str] = {}
     seen: dict[str, int] = {}
     for entry in named_parameters:
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], torch.Tensor)):
-            raise ValueError(f"named_parameters must hold (name, parameter) pairs, as module.named_parameters() gives; got {type(entry).__name__}")
+        if not (
+            isinstance(entry, tuple)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], torch.Tensor)
+        ):
+            raise ValueError(
+                f"named_parameters must hold (name, parameter) pairs, as module.named_parameters() gives; got {type(entry).__name__}"
+            )
         name, p = entry
         if name in seen and seen[name] != id(p):
             raise ValueError(f"named_parameters names two different parameters {name!r}")

@@ -116,7 +116,10 @@ class DataParallel(nn.Module):
             raise TypeError(f"DataParallel got unexpected keyword argument(s) {', '.join(unknown)}")
         ignored = sorted(k for k, v in ddp_kwargs.items() if v is not None)
         if ignored:
-            warnings.warn(f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here", stacklevel=2)
+            warnings.warn(
+                f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here",
+                stacklevel=2,
+            )
         check_bucket_cap(bucket_cap_mb)
         if nonfinite not in nonfinite_.MODES:
             raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
@@ -227,7 +230,9 @@ class DataParallel(nn.Module):
         """
         new = algos.as_algorithm(algorithm)
         if self.process_group is not None:
-            check_ranks_agree("the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group)
+            check_ranks_agree(
+                "the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group
+            )
         self.average()
         self._core.stop()
         self.algorithm = self._core.algorithm = new
@@ -318,7 +323,9 @@ class DataParallel(nn.Module):
         if extremes[0].item() != -extremes[1].item():  # max differs from min
             check_ranks_agree("the training steps (debug mode)", entries, self._step_group)
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
         """A context manager for uneven inputs: wrap the training loop in it.
 
         A rank whose loop ends first keeps answering the other ranks'
@@ -411,7 +418,12 @@ class DataParallel(nn.Module):
             self._join.notify(STEP + self.optimizers.index(optimizer))
         if self.nonfinite is not None and optimizer is self.optimizers[0]:
             r = self._core.reducer
-            covered = r is not None and r.nonfinite_checked and r.group is not None and dist.get_world_size(r.group) == self.world_size
+            covered = (
+                r is not None
+                and r.nonfinite_checked
+                and r.group is not None
+                and dist.get_world_size(r.group) == self.world_size
+            )
             if not covered:
                 self._check_finite_at_step(shadow)
 
@@ -558,7 +570,9 @@ class _JoinHook(JoinHook):
     def shadow_step(self, index: int) -> None:
         model = self.model
         if index >= len(model.optimizers):
-            raise RuntimeError(f"rank {model.rank}: another rank stepped optimizer {index}, this one has {len(model.optimizers)}")
+            raise RuntimeError(
+                f"rank {model.rank}: another rank stepped optimizer {index}, this one has {len(model.optimizers)}"
+            )
         model._before_step(model.optimizers[index], shadow=True)
         model._after_step(model.optimizers[index], shadow=True)
 

@@ -14,13 +14,12 @@ import sys
 import threading
 import traceback
 
+import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
 
 import unison
 from unison.integrations.lightning import UnisonStrategy
@@ -59,7 +58,11 @@ class Net(L.LightningModule):
     def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4)
+            torch.nn.Linear(16, 32),
+            torch.nn.BatchNorm1d(32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(32, 4),
         )
         self.optimizer = optimizer
         self.val_weights: list[torch.Tensor] = []
@@ -165,7 +168,16 @@ def trainer(strategy, epochs: int = EPOCHS, **kwargs) -> L.Trainer:
     )
 
 
-def fit(strategy, *, init: int = 0, optimizer: str = "sgd", epochs: int = EPOCHS, ckpt_path=None, manual: bool = False, **kwargs) -> tuple[Net, L.Trainer]:
+def fit(
+    strategy,
+    *,
+    init: int = 0,
+    optimizer: str = "sgd",
+    epochs: int = EPOCHS,
+    ckpt_path=None,
+    manual: bool = False,
+    **kwargs,
+) -> tuple[Net, L.Trainer]:
     L.seed_everything(0, verbose=False)  # also the seed of the data order (DistributedSampler)
     torch.manual_seed(init)
     model = ManualNet() if manual else Net(optimizer)
@@ -183,7 +195,11 @@ def main(outdir: str) -> dict:
     # First a unison fit: Lightning launches rank 1 here, and unison.init() starts the group.
     stats = CommStats()
     model, t = fit(UnisonStrategy("allreduce"), callbacks=[stats])
-    results["parity"] = {"weights": flat(model), "nodes": unison.topology().num_nodes, "bytes": stats.stats["bytes_total"]}
+    results["parity"] = {
+        "weights": flat(model),
+        "nodes": unison.topology().num_nodes,
+        "bytes": stats.stats["bytes_total"],
+    }
     stats = CommStats()
     model, _ = fit(UnisonStrategy("allreduce"), accumulate_grad_batches=3, callbacks=[stats])
     results["allreduce_accumulate"] = {"weights": flat(model), "bytes": stats.stats["bytes_total"]}
@@ -200,7 +216,10 @@ def main(outdir: str) -> dict:
         ckpt = ModelCheckpoint(dirpath=os.path.join(outdir, "ckpt", name), save_top_k=-1, save_on_train_epoch_end=True)
         spy = EndEpochSpy()
         model, t = fit(
-            UnisonStrategy(spec), optimizer="qadam" if name == "qadam" else "sgd", callbacks=[ckpt, spy], enable_checkpointing=True
+            UnisonStrategy(spec),
+            optimizer="qadam" if name == "qadam" else "sgd",
+            callbacks=[ckpt, spy],
+            enable_checkpointing=True,
         )
         results[name] = {
             "weights": flat(model),
@@ -233,9 +252,17 @@ def main(outdir: str) -> dict:
 
     # Switch from a callback; the resumed algorithm is the one the checkpoint was saved with.
     ckpt = ModelCheckpoint(dirpath=os.path.join(outdir, "ckpt", "switch"), save_top_k=-1, save_on_train_epoch_end=True)
-    model, t = fit(UnisonStrategy("local_sgd:period=100"), callbacks=[Switch(1, "diloco:inner_steps=3"), ckpt], enable_checkpointing=True)
+    model, t = fit(
+        UnisonStrategy("local_sgd:period=100"),
+        callbacks=[Switch(1, "diloco:inner_steps=3"), ckpt],
+        enable_checkpointing=True,
+    )
     results["switch"] = {"weights": flat(model), "algorithm": t.strategy.algorithm.describe()}
-    model, t = fit(UnisonStrategy("local_sgd:period=100"), init=1, ckpt_path=os.path.join(outdir, "ckpt", "switch", "epoch=1-step=16.ckpt"))
+    model, t = fit(
+        UnisonStrategy("local_sgd:period=100"),
+        init=1,
+        ckpt_path=os.path.join(outdir, "ckpt", "switch", "epoch=1-step=16.ckpt"),
+    )
     results["switch_resumed"] = {"weights": flat(model), "algorithm": t.strategy.algorithm.describe()}
     return results
 

@@ -48,7 +48,10 @@ def main(ckpt: str, out: str, kill_step: int = 0) -> None:
                 unison.save(ckpt, model, optimizer, loader.sampler, epoch=epoch, step=step)
     model.average()
     if topo.rank == 0:
-        torch.save({"params": [p.detach() for p in net.parameters()], "steps": step, "resumed_from": state and state["step"]}, out)
+        torch.save(
+            {"params": [p.detach() for p in net.parameters()], "steps": step, "resumed_from": state and state["step"]},
+            out,
+        )
 
 
 if __name__ == "__main__":

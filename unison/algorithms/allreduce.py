@@ -120,9 +120,13 @@ class Hierarchy:
     def __init__(self, replica: Replica, tag: str) -> None:
         topo = replica.topology
         if topo.world_size != dist.get_world_size():
-            raise ValueError("hierarchical allreduce needs the node layout: call unison.init() before building DataParallel")
+            raise ValueError(
+                "hierarchical allreduce needs the node layout: call unison.init() before building DataParallel"
+            )
         if replica.group is not dist.group.WORLD:
-            raise ValueError("hierarchical allreduce runs on the whole world; it cannot be combined with a process_group subset")
+            raise ValueError(
+                "hierarchical allreduce runs on the whole world; it cannot be combined with a process_group subset"
+            )
         self.local_size, self.nodes = topo.local_world_size, topo.num_nodes
         self.leader = topo.node_ranks()[0]
         self.is_leader = topo.local_rank == 0

@@ -32,9 +32,27 @@ class AsyncState(CountedState):
     """The averaging thread, the lock every optimizer step holds, and the counters
     ``steps``, ``rounds`` and ``bytes_sent`` (what checkpoints keep)."""
 
-    __slots__ = ("params", "group", "interval", "timeout", "lock", "held", "thread", "failure", "may_run", "broken", "rounds")
+    __slots__ = (
+        "params",
+        "group",
+        "interval",
+        "timeout",
+        "lock",
+        "held",
+        "thread",
+        "failure",
+        "may_run",
+        "broken",
+        "rounds",
+    )
 
-    def __init__(self, params: Sequence[torch.Tensor] = (), group: Optional[dist.ProcessGroup] = None, interval_s: float = 0.05, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor] = (),
+        group: Optional[dist.ProcessGroup] = None,
+        interval_s: float = 0.05,
+        warmup_steps: int = 0,
+    ) -> None:
         super().__init__(StepCount(1, warmup_steps))
         self.params = list(params)  # the trainable parameters the thread averages
         self.group = group  # the thread's private group; None: nothing to average
@@ -84,7 +102,9 @@ class AsyncState(CountedState):
         if self.failure is not None:
             (exc, text), self.failure = self.failure, None
             self.let_go()
-            raise RuntimeError(f"'async' model averaging failed in its background thread; its traceback:\n{text}") from exc
+            raise RuntimeError(
+                f"'async' model averaging failed in its background thread; its traceback:\n{text}"
+            ) from exc
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "rounds": self.rounds, "bytes_sent": self.bytes_sent}
@@ -131,7 +151,10 @@ class AsyncModelAverage(Algorithm[AsyncState]):
         state.collect(stop=True)
         state.may_run = False
         if state.failure is not None:
-            warnings.warn(f"'async' was torn down with an unreported error from its averaging thread:\n{state.failure[1]}", stacklevel=2)
+            warnings.warn(
+                f"'async' was torn down with an unreported error from its averaging thread:\n{state.failure[1]}",
+                stacklevel=2,
+            )
             state.failure = None
 
     def release(self, replica: Replica, state: AsyncState) -> None:

@@ -49,7 +49,9 @@ class FlatRound:
         torch._foreach_add_(params, r.delta_views)  # under the lock
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         self.group, self.world, self.chunk_bytes = group, dist.get_world_size(group), chunk_bytes
         kinds: dict = {}
         for i, p in enumerate(params):

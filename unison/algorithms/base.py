@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..engine import comm
 from ..engine.buckets import Bucket
 from ..replica import Replica
-from . import options as opts
+from .configured import Configured
 from .state import State, ThreadedState
 
 __all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
@@ -26,7 +26,7 @@ __all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
 S = TypeVar("S", bound=Optional[State])
 
 
-class Algorithm(opts.Configured, Generic[S]):
+class Algorithm(Configured, Generic[S]):
     """Base class: subclasses set ``name``, declare options and override the events they need.
 
     ``S`` is the type of the state ``setup`` builds (None for an algorithm that keeps none);
@@ -149,7 +149,9 @@ class Algorithm(opts.Configured, Generic[S]):
         """
 
 
-def open_thread(replica: Replica, name: str, group: Optional[dist.ProcessGroup] = None) -> tuple[Optional[dist.ProcessGroup], comm.CommThread]:
+def open_thread(
+    replica: Replica, name: str, group: Optional[dist.ProcessGroup] = None
+) -> tuple[Optional[dist.ProcessGroup], comm.CommThread]:
     """A private process group and a CommThread for reductions of several dependent
     collectives (``(group, thread)``, for a ``ThreadedState``)."""
     return replica.private_group(name, group), comm.CommThread(f"unison-{name}")

@@ -54,12 +54,16 @@ class Exchange:
         thread.submit(ex.run, bucket.flat, group)
     """
 
-    def __init__(self, numel: int, world: int, chunk_size: int, device: torch.device, part_values: int = PART_VALUES) -> None:
+    def __init__(
+        self, numel: int, world: int, chunk_size: int, device: torch.device, part_values: int = PART_VALUES
+    ) -> None:
         self.codec = MinMax8(numel, rows=world, chunk_size=chunk_size, device=device)
         self.parts = self.codec.split(max(1, numel // max(1, part_values)))
         self.buffers = [(p.empty(), p.empty(), p.empty(1)) for p in self.parts]
 
-    def run(self, flat: torch.Tensor, group: Optional[dist.ProcessGroup], residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run(
+        self, flat: torch.Tensor, group: Optional[dist.ProcessGroup], residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Sum ``flat`` across ``group`` in 8 bits, in place (blocking: run it on a CommThread).
 
         ``flat`` holds this rank's share (already divided by the world size).
@@ -112,7 +116,10 @@ class ByteGradState(ThreadedState):
     __slots__ = ("residuals", "exchanges")
 
     def __init__(
-        self, residuals: Optional[FlatState], group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
+        self,
+        residuals: Optional[FlatState],
+        group: Optional[dist.ProcessGroup] = None,
+        thread: Optional[CommThread] = None,
     ) -> None:
         super().__init__(group, thread)
         self.residuals: Optional[FlatState] = residuals
@@ -130,7 +137,9 @@ class ByteGradState(ThreadedState):
         if "residuals" not in state:
             return
         if self.residuals is None:
-            raise ValueError("this state holds error-feedback residuals but bytegrad runs with error_feedback=False; create it with error_feedback=True")
+            raise ValueError(
+                "this state holds error-feedback residuals but bytegrad runs with error_feedback=False; create it with error_feedback=True"
+            )
         self.residuals.load_state_dict(state["residuals"])
 
 
@@ -165,7 +174,9 @@ class ByteGrad(Algorithm[ByteGradState]):
         if world == 1 or bucket.flat.numel() == 0:
             return None
         if not bucket.flat.is_floating_point():
-            raise TypeError(f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}")
+            raise TypeError(
+                f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}"
+            )
         residual = state.residuals.get(bucket) if state.residuals is not None else None
         ex = bucket_exchange(state.exchanges, bucket, world, self.chunk_size)
         return state.running_thread().submit(ex.run, bucket.flat, state.group, residual)

@@ -45,7 +45,9 @@ class CastAllReduce(Algorithm[CastState]):
     def _wire_buffer(self, state: CastState, bucket: Bucket) -> torch.Tensor:
         buf = state.wire.get(bucket.index)
         if buf is None or buf.numel() != bucket.flat.numel() or buf.device != bucket.flat.device:
-            buf = state.wire[bucket.index] = torch.empty(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
+            buf = state.wire[bucket.index] = torch.empty(
+                bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device
+            )
         return buf
 
     def reduce_bucket(

@@ -87,7 +87,9 @@ class DASO(Algorithm[DASOState]):
     stability_level = Number(0.05, low=0.0, open_low=False, high=1.0)
     max_global_skips = Int(8)
     sending_chunk_size = Int(10_000_000)
-    wire_dtype = Choice("bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=to_wire_dtype, aliases=("downcast_type",))
+    wire_dtype = Choice(
+        "bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=to_wire_dtype, aliases=("downcast_type",)
+    )
     use_mpi_groups = Bool(True)
     skip_reduction_factor = Int(2, minimum=2)
     local_skip_factor = Int(4)
@@ -105,8 +107,15 @@ class DASO(Algorithm[DASOState]):
         wire = None if self.wire_dtype == torch.float32 else self.wire_dtype
         transport = Transport.build(replica, wire, self.sending_chunk_size)
         schedule = Schedule(
-            self.warmup_epochs, self.cooldown_epochs, self.total_epochs, self.max_global_skips, self.skip_reduction_factor,
-            self.local_skip_factor, self.stability_level, transport.local_size, transport.nodes,
+            self.warmup_epochs,
+            self.cooldown_epochs,
+            self.total_epochs,
+            self.max_global_skips,
+            self.skip_reduction_factor,
+            self.local_skip_factor,
+            self.stability_level,
+            transport.local_size,
+            transport.nodes,
         )
         state = DASOState(schedule, transport)
         replica.on_scaler_update(lambda scaler: self._scaler_updated(state))

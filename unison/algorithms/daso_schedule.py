@@ -1,7 +1,5 @@
-"""DASO's schedule: phases, skips, the plateau rule and which batch sends or merges.
-
-Pure bookkeeping (no tensors, no collectives), so it is tested alone. The
-rules are HeAT's; see docs/algorithms.md#daso.
+"""DASO's schedule: phases, skips, the plateau rule and which batch sends or merges. Pure
+bookkeeping (no tensors, no collectives), tested alone; the rules are HeAT's (docs/algorithms.md#daso).
 """
 
 from __future__ import annotations
@@ -17,9 +15,15 @@ PATIENCE = 2
 FIRST_GLOBAL_SKIP = 4
 
 #: What ``Schedule.state_dict`` keeps, apart from the sync in flight.
-SAVED = (
-    "epoch", "batch", "batches", "global_skip", "local_skip", "batches_to_wait", "send_rank",
-    "plateau_best", "plateau_bad", "syncs_sent", "syncs_received", "syncs_blocking",
+SAVED = tuple(
+    "epoch batch batches global_skip local_skip batches_to_wait send_rank "
+    "plateau_best plateau_bad syncs_sent syncs_received syncs_blocking".split()
+)
+
+#: The schedule's settings (its options).
+SETTINGS = tuple(
+    "warmup_epochs cooldown_epochs total_epochs max_global_skips skip_reduction_factor "
+    "local_skip_factor stability_level local_size nodes".split()
 )
 
 
@@ -33,8 +37,7 @@ class PendingSync:
 
 
 class Plan(NamedTuple):
-    """What the end of one batch does: a blocking sync of the group of local rank
-    ``blocking``, merging the sync ``merge``, then starting the sync ``send``."""
+    """What a batch's end does: a blocking sync of local rank ``blocking``'s group, or merge, then send."""
 
     blocking: Optional[int] = None
     merge: Optional[PendingSync] = None
@@ -55,24 +58,22 @@ class Schedule:
     Example::
 
         s = Schedule(warmup_epochs=1, cooldown_epochs=0, total_epochs=None, nodes=2)
-        s.end_batch()        # Plan(blocking=0): the warm-up syncs every batch
-        s.end_epoch(1.0)     # cycling now: s.global_skip == 4
+        s.end_batch(), s.end_epoch(1.0)  # Plan(blocking=0): the warm-up syncs every batch; then cycling
     """
 
-    __slots__ = (
-        # settings
-        "warmup_epochs", "cooldown_epochs", "total_epochs", "max_global_skips", "skip_reduction_factor",
-        "local_skip_factor", "stability_level", "local_size", "nodes",
-        # the schedule
-        "epoch", "batch", "batches", "global_skip", "local_skip", "batches_to_wait", "send_rank", "pending_sync",
-        # plateau tracking and statistics
-        "plateau_best", "plateau_bad", "syncs_sent", "syncs_received", "syncs_blocking",
-    )
+    __slots__ = (*SETTINGS, *SAVED, "pending_sync")
 
     def __init__(
-        self, warmup_epochs: int = 4, cooldown_epochs: int = 4, total_epochs: Optional[int] = None,
-        max_global_skips: int = 8, skip_reduction_factor: int = 2, local_skip_factor: int = 4,
-        stability_level: float = 0.05, local_size: int = 1, nodes: int = 1,
+        self,
+        warmup_epochs: int = 4,
+        cooldown_epochs: int = 4,
+        total_epochs: Optional[int] = None,
+        max_global_skips: int = 8,
+        skip_reduction_factor: int = 2,
+        local_skip_factor: int = 4,
+        stability_level: float = 0.05,
+        local_size: int = 1,
+        nodes: int = 1,
     ) -> None:
         self.warmup_epochs, self.cooldown_epochs, self.total_epochs = warmup_epochs, cooldown_epochs, total_epochs
         self.max_global_skips, self.skip_reduction_factor = max_global_skips, skip_reduction_factor
@@ -100,7 +101,7 @@ class Schedule:
         return self.nodes > 1
 
     def sync_gradients(self) -> bool:
-        """Whether the node averages gradients this batch: every ``local_skip``-th batch of a cycling epoch, else always."""
+        """Whether the node averages gradients this batch: every ``local_skip``-th of a cycling epoch, else always."""
         if not self.global_syncs or self.global_skip == 0 or self.local_skip <= 1:
             return True
         return self.batch % self.local_skip == 0

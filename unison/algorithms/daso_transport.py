@@ -8,7 +8,8 @@ Syncs travel in flat buffers, cast slice by slice through a small scratch. See d
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ def sliced(fn: Callable[..., Any], *flats: torch.Tensor) -> None:
         fn(*(f[i : i + SLICE] for f in flats))
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class Transport:
     """The groups DASO talks over, and the weight syncs between nodes.
 
@@ -57,28 +59,25 @@ class Transport:
         t.start()  # at batch b, by local rank k; then t.receive(k, batches_to_wait=1) at b + 1, on every rank
     """
 
-    __slots__ = ("params", "grad_group", "intra", "inter", "local_rank", "local_size", "nodes", "wire", "chunk_elems",
-                 "inflight", "relative", "anchor", "meter", "buffers")
-
-    def __init__(
-        self, params: Sequence[torch.Tensor], grad_group: Optional[dist.ProcessGroup] = None,
-        intra: Optional[dist.ProcessGroup] = None, inter: Optional[dist.ProcessGroup] = None,
-        local_rank: int = 0, local_size: int = 1, nodes: int = 1, wire: Optional[torch.dtype] = None, chunk_elems: int = 10_000_000,
-    ) -> None:
-        self.params: list[torch.Tensor] = list(params)
-        self.grad_group, self.intra, self.inter = grad_group, intra, inter
-        self.local_rank, self.local_size, self.nodes = local_rank, local_size, nodes
-        self.wire, self.chunk_elems = wire, chunk_elems
-        self.inflight: Any = None  # this rank's sync in flight (something with wait())
-        self.relative = False  # whether it carries differences from the anchor
-        self.anchor: Optional[list[torch.Tensor]] = None  # the last average this rank's group agreed on
-        self.meter = State()  # counts the bytes sent (DASO gives its state)
-        self.buffers: dict[Optional[torch.dtype], Any] = {}  # Transport.flat's
+    params: list[torch.Tensor]
+    grad_group: Optional[dist.ProcessGroup] = None
+    intra: Optional[dist.ProcessGroup] = None
+    inter: Optional[dist.ProcessGroup] = None
+    local_rank: int = 0
+    local_size: int = 1
+    nodes: int = 1
+    wire: Optional[torch.dtype] = None
+    chunk_elems: int = 10_000_000
+    inflight: Any = field(default=None, init=False)  # this rank's sync in flight (something with wait())
+    relative: bool = field(default=False, init=False)  # whether it carries differences from the anchor
+    anchor: Optional[list[torch.Tensor]] = field(default=None, init=False)  # the last average its group agreed on
+    meter: State = field(default_factory=State, init=False)  # counts the bytes sent (DASO gives its state)
+    buffers: dict[Optional[torch.dtype], Any] = field(default_factory=dict, init=False)  # Transport.flat's
 
     @classmethod
     def build(cls, replica: Replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
         """Private copies of the node's group (gradients, broadcasts) and of this rank's inter-node group."""
-        params = [p for _, p in replica.trainable]
+        params: list[torch.Tensor] = [p for _, p in replica.trainable]
         if replica.group is None:
             return cls(params, wire=wire, chunk_elems=chunk_elems)
         topo = replica.topology
@@ -121,8 +120,10 @@ class Transport:
         with torch.no_grad():
             if not relative:
                 torch._foreach_copy_(views, [p.detach() for p in self.params])
-            for p, v, a, s in zip(self.params, views, (self.anchor or []) if relative else [], scratches):  # p - anchor, cast
-                sliced(lambda w, x, y: w.copy_(torch.sub(x, y, out=s[: x.numel()])), v.view(-1), p.reshape(-1), a.reshape(-1))
+            anchor = (self.anchor or []) if relative else []
+            for p, v, a, s in zip(self.params, views, anchor, scratches):  # p - anchor, cast
+                sub = lambda w, x, y, s=s: w.copy_(torch.sub(x, y, out=s[: x.numel()]))  # noqa: E731
+                sliced(sub, v.view(-1), p.reshape(-1), a.reshape(-1))
             parts = [part for f in flats for part in f.div_(world).split(self.chunk_elems)]
         works = [comm.start(dist.all_reduce, part, group=self.inter) for part in parts]
         sent = sum(comm.ring_bytes(part.numel() * part.element_size(), world) for part in parts)
@@ -135,7 +136,7 @@ class Transport:
         if self.relative:  # anchor += the average difference, cast back slice by slice
             with torch.no_grad():
                 for a, d, s in zip(self.anchor or [], values, self.flat(self.wire)[2]):
-                    sliced(lambda x, y: x.add_(s[: y.numel()].copy_(y)), a.view(-1), d.reshape(-1))
+                    sliced(lambda x, y, s=s: x.add_(s[: y.numel()].copy_(y)), a.view(-1), d.reshape(-1))
             values = self.anchor
         if self.wire is not None:
             self.anchor = values  # a full-precision sync's buffer is not kept: the anchor owns it

@@ -24,14 +24,7 @@ import torch.distributed as dist
 from ..engine.averaging import AsyncAverage
 from ..engine.comm import Waitable
 from ..replica import Replica
-from .gossip import (
-    FlatParams,
-    Received,
-    exchange,
-    flat_params_of,
-    ring_neighbours,
-    round_robin_partner,
-)
+from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
 from .periodic import StepCount
 from .streamed import Streamed, StreamedState
@@ -48,7 +41,10 @@ class DecentralizedState(StreamedState):
     __slots__ = ("group", "fragments", "flats", "recv")
 
     def __init__(
-        self, count: StepCount, group: Optional[dist.ProcessGroup] = None, fragments: Optional[list[list[torch.Tensor]]] = None
+        self,
+        count: StepCount,
+        group: Optional[dist.ProcessGroup] = None,
+        fragments: Optional[list[list[torch.Tensor]]] = None,
     ) -> None:
         super().__init__(count)
         self.group = group  # None alone: nothing to mix
@@ -90,7 +86,9 @@ class Decentralized(Streamed[DecentralizedState]):
         if not replica.distributed:
             return DecentralizedState(count)
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
-        state = DecentralizedState(count, replica.private_group("decentralized"), [[p for _, p in f] for f in fragments])
+        state = DecentralizedState(
+            count, replica.private_group("decentralized"), [[p for _, p in f] for f in fragments]
+        )
         if self.peer_selection != "all":
             peers = len(self._peers(replica, 0))
             state.flats = [flat_params_of(f) for f in fragments]
@@ -120,7 +118,9 @@ class Decentralized(Streamed[DecentralizedState]):
             sends += [(mine, peer, tag) for peer in peers]
             recvs += [(buf, peer, tag) for buf, peer in zip(bufs, peers)]
             state.bytes_sent += fl.nbytes * len(peers)
-        return Received(exchange(sends, recvs, state.group, wait=False), state.recv[f]), [fl.flat for fl in state.flats[f]]
+        return Received(exchange(sends, recvs, state.group, wait=False), state.recv[f]), [
+            fl.flat for fl in state.flats[f]
+        ]
 
     def merge(self, replica: Replica, state: DecentralizedState, fragment: int, result: Any, extra: Any) -> None:
         """Write ``fragment``'s round into the weights (adding the change it makes when it lands late)."""

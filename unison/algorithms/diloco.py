@@ -39,8 +39,12 @@ class DiLoCoState(StreamedState):
     __slots__ = ("names", "params", "buffers", "snapshot", "outer", "group", "fragments", "feedback")
 
     def __init__(
-        self, count: StepCount, fragments: list[list[tuple[str, torch.Tensor]]], buffers: list[torch.Tensor],
-        outer: dict[str, Any], group: Optional[dist.ProcessGroup],
+        self,
+        count: StepCount,
+        fragments: list[list[tuple[str, torch.Tensor]]],
+        buffers: list[torch.Tensor],
+        outer: dict[str, Any],
+        group: Optional[dist.ProcessGroup],
     ) -> None:
         super().__init__(count)
         pieces = [piece for fragment in fragments for piece in fragment]
@@ -72,7 +76,9 @@ class DiLoCoState(StreamedState):
         """Restore exactly; the outer optimizer keeps this run's options (lr, momentum, nesterov)."""
         expected = {"steps", "snapshot", "outer_optimizer"}
         if not expected <= set(state) <= expected | {"in_flight", "feedback"}:
-            raise ValueError(f"diloco state must have keys {sorted(expected)} (and 'in_flight', 'feedback'), got {sorted(state)}")
+            raise ValueError(
+                f"diloco state must have keys {sorted(expected)} (and 'in_flight', 'feedback'), got {sorted(state)}"
+            )
         missing = [n for n in self.names if n not in state["snapshot"]]
         if missing:
             raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
@@ -120,7 +126,9 @@ class DiLoCo(Streamed[DiLoCoState]):
     outer_lr = Number(0.7)
     outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0)
     nesterov = Bool(True)
-    wire_dtype = Choice("fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None)
+    wire_dtype = Choice(
+        "fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None
+    )
     mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True)
     overlap = Bool(False)
 
@@ -179,7 +187,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         with torch.no_grad():
             for s in snapshot:
                 s.grad = None
-            targets = [s.detach() for s in snapshot] + averaged[len(params):]
+            targets = [s.detach() for s in snapshot] + averaged[len(params) :]
             for t, new, old in zip(params + buffers, targets, at_launch or targets):
                 if at_launch is not None:  # keep the local steps taken while the average travelled
                     t.add_(new - old)

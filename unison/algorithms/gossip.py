@@ -83,7 +83,9 @@ class FlatParams:
                 raise ValueError(f"the saved {what} has no entry for parameter {name!r}")
             value = values[name]
             if tuple(value.shape) != tuple(view.shape):
-                raise ValueError(f"the saved {what} of parameter {name!r} has shape {list(value.shape)}, the model's is {list(view.shape)}")
+                raise ValueError(
+                    f"the saved {what} of parameter {name!r} has shape {list(value.shape)}, the model's is {list(view.shape)}"
+                )
             view.copy_(value)
 
 
@@ -100,7 +102,10 @@ def flat_params_of(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]], group: Optional[dist.ProcessGroup], wait: bool = True
+    sends: list[tuple[torch.Tensor, int, int]],
+    recvs: list[tuple[torch.Tensor, int, int]],
+    group: Optional[dist.ProcessGroup],
+    wait: bool = True,
 ) -> list[Any]:
     """Send and receive (tensor, group rank, tag) triples point to point, and wait for all of them
     (``wait=False``: return their works instead).

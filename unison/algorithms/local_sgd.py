@@ -35,7 +35,9 @@ class LocalSGDState(StreamedState):
 
     __slots__ = ("intra", "fragments", "group")
 
-    def __init__(self, count: StepCount, intra: Optional[dist.ProcessGroup], fragments: list[list[torch.Tensor]]) -> None:
+    def __init__(
+        self, count: StepCount, intra: Optional[dist.ProcessGroup], fragments: list[list[torch.Tensor]]
+    ) -> None:
         super().__init__(count)
         self.intra, self.fragments = intra, fragments
         self.group: Optional[dist.ProcessGroup] = None  # the averages' private group

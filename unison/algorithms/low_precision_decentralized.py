@@ -55,8 +55,12 @@ class LowPrecisionState(StreamedState):
     __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments")
 
     def __init__(
-        self, count: StepCount, rank: int, group: Optional[dist.ProcessGroup] = None,
-        neighbours: Optional[list[int]] = None, copies: Optional[list[Copies]] = None,
+        self,
+        count: StepCount,
+        rank: int,
+        group: Optional[dist.ProcessGroup] = None,
+        neighbours: Optional[list[int]] = None,
+        copies: Optional[list[Copies]] = None,
     ) -> None:
         super().__init__(count)
         self.rank, self.group = rank, group
@@ -77,13 +81,21 @@ class LowPrecisionState(StreamedState):
             for peer, replica in zip(self.neighbours, c.replicas):
                 replicas[peer].update(c.flat.by_name(replica))
         in_flight = self.streams.state_dict() if self.streams else []
-        return {"steps": self.count.steps, "rank": self.rank, "public": public, "replicas": replicas, "in_flight": in_flight}
+        return {
+            "steps": self.count.steps,
+            "rank": self.rank,
+            "public": public,
+            "replicas": replicas,
+            "in_flight": in_flight,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the count and copies; the next round refreshes the replicas (see the docs)."""
         unknown = sorted(set(state) - {"steps", "rank", "public", "replicas", "in_flight"})
         if unknown:
-            raise ValueError(f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas, in_flight")
+            raise ValueError(
+                f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas, in_flight"
+            )
         self.count.steps = int(state["steps"])
         loaded: dict[str, Any] = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
         if not self.copies:
@@ -151,7 +163,9 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
             recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
             state.bytes_sent += c.codec.nbytes * len(peers)
         copies = [state.copies[tag] for tag in state.fragments[f]]
-        return Received(exchange(sends, recvs, state.group, wait=False), [[c.send, *c.received] for c in copies]), [c.flat.flat for c in copies]
+        return Received(exchange(sends, recvs, state.group, wait=False), [[c.send, *c.received] for c in copies]), [
+            c.flat.flat for c in copies
+        ]
 
     def merge(self, replica: Replica, state: LowPrecisionState, fragment: int, result: Any, extra: Any) -> None:
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""

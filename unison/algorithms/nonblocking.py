@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree
+from torch.optim import Optimizer
 
 from ..replica import Replica
 from .allreduce import AllReduce, AllReduceState
@@ -70,7 +71,7 @@ class NonBlocking(AllReduce[NonBlockingState]):
 
     # ---- what the user's calls now do ---------------------------------
     def _deferred_step(
-        self, replica: Replica, state: NonBlockingState, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]]
+        self, replica: Replica, state: NonBlockingState, opt: Optimizer, closure: Optional[Callable[[], Any]]
     ) -> None:
         """Record the step instead of taking it (the real one runs layer by layer later)."""
         if closure is not None:
@@ -79,7 +80,7 @@ class NonBlocking(AllReduce[NonBlockingState]):
             self.flush(replica, state)
         state.pending[id(opt)] = _Pending(opt)
 
-    def _deferred_zero_grad(self, state: NonBlockingState, opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    def _deferred_zero_grad(self, state: NonBlockingState, opt: Optimizer, set_to_none: bool = True) -> None:
         pending = state.pending.get(id(opt))
         if pending is None:
             state.originals[id(opt)][1](set_to_none=set_to_none)
@@ -180,7 +181,8 @@ class NonBlocking(AllReduce[NonBlockingState]):
 
 def _graph_leaves(output: Any) -> list[torch.Tensor]:
     """The parameters (autograd leaves) that ``output`` was computed from."""
-    roots = [t.grad_fn for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    tensors = torch.utils._pytree.tree_flatten(output)[0]
+    roots = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
     leaves: list[torch.Tensor] = []
     stack: list[Any] = list(roots)

@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 class Option:
@@ -36,7 +36,7 @@ class Option:
     def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
         if instance is None:
             return self
-        return self.convert(instance._values[self.name])
+        return self.convert(instance.option_values[self.name])
 
     def check(self, value: Any) -> Optional[str]:
         """None if ``value`` is allowed, else what it must be ("a positive integer")."""
@@ -45,33 +45,6 @@ class Option:
     def convert(self, value: Any) -> Any:
         """The value the algorithm uses (after ``check`` passed)."""
         return value
-
-
-class Configured:
-    """An object configured by declared ``Option`` attributes (an Algorithm): it holds the values
-    given, checked, and reads each back converted through its Option."""
-
-    name: ClassVar[str] = "base"
-    #: Every option with its default (filled in for each subclass from its declarations).
-    defaults: ClassVar[dict[str, Any]] = {}
-    options_declared: ClassVar[dict[str, Option]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.options_declared = declared(cls)
-        cls.defaults = {name: o.default for name, o in cls.options_declared.items()}
-
-    def __init__(self, **options: Any) -> None:
-        self._values, self._written = check_given(self.name, type(self).options_declared, options)
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The options, each under the name it was given by (its canonical name when not given)."""
-        return {self._written.get(name, name): value for name, value in self._values.items()}
-
-    def describe(self) -> str:
-        """A stable text naming the algorithm and its options, compared across ranks."""
-        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in sorted(self._values.items()))})"
 
 
 def _is_int(value: Any) -> bool:
@@ -86,7 +59,9 @@ class Int(Option):
     """An integer of at least ``minimum`` (bools are not integers here); ``optional`` also takes None;
     ``what`` words the requirement in the error message (default: from ``minimum``)."""
 
-    def __init__(self, default: Any, minimum: int = 1, optional: bool = False, what: Optional[str] = None, **kw: Any) -> None:
+    def __init__(
+        self, default: Any, minimum: int = 1, optional: bool = False, what: Optional[str] = None, **kw: Any
+    ) -> None:
         super().__init__(default, **kw)
         self.minimum, self.optional, self.what = minimum, optional, what
 
@@ -95,7 +70,13 @@ class Int(Option):
             return None
         if _is_int(value) and value >= self.minimum:
             return None
-        what = self.what or ("a positive integer" if self.minimum == 1 else "a non-negative integer" if self.minimum == 0 else f"an integer of at least {self.minimum}")
+        what = self.what or (
+            "a positive integer"
+            if self.minimum == 1
+            else "a non-negative integer"
+            if self.minimum == 0
+            else f"an integer of at least {self.minimum}"
+        )
         return what + (" or None" if self.optional else "")
 
 
@@ -103,7 +84,15 @@ class Number(Option):
     """A finite real number in the range given (``low`` inclusive unless ``open_low``; ``high`` exclusive);
     ``optional`` also takes None."""
 
-    def __init__(self, default: Any, low: float = 0.0, open_low: bool = True, high: Optional[float] = None, optional: bool = False, **kw: Any) -> None:
+    def __init__(
+        self,
+        default: Any,
+        low: float = 0.0,
+        open_low: bool = True,
+        high: Optional[float] = None,
+        optional: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__(default, **kw)
         self.low, self.open_low, self.high, self.optional = low, open_low, high, optional
 
@@ -115,7 +104,9 @@ class Number(Option):
         if ok:
             return None
         if self.high is not None:
-            return f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g})" + (" or None" if self.optional else "")
+            return f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g})" + (
+                " or None" if self.optional else ""
+            )
         if self.low == 0 and self.open_low:
             return "a positive number"
         return f"a number {'above' if self.open_low else 'of at least'} {self.low:g}"
@@ -131,7 +122,9 @@ class Bool(Option):
 class Choice(Option):
     """One of a few values; ``convert`` maps a choice to what the algorithm uses (names to dtypes)."""
 
-    def __init__(self, default: Any, choices: Sequence[Any], convert: Optional[Callable[[Any], Any]] = None, **kw: Any) -> None:
+    def __init__(
+        self, default: Any, choices: Sequence[Any], convert: Optional[Callable[[Any], Any]] = None, **kw: Any
+    ) -> None:
         super().__init__(default, **kw)
         self.choices = tuple(choices)
         self._convert = convert
@@ -147,49 +140,3 @@ class Choice(Option):
 
     def convert(self, value: Any) -> Any:
         return self._convert(value) if self._convert is not None else value
-
-
-def declared(cls: type) -> dict[str, Option]:
-    """The options of an algorithm class: its own in declaration order, then inherited ones
-    (a subclass drops an inherited option by setting it to None)."""
-    out: dict[str, Option] = {}
-    dropped: set[str] = set()
-    for klass in cls.__mro__:
-        for name, value in vars(klass).items():
-            if isinstance(value, Option) and name not in out and name not in dropped:
-                out[name] = value
-            elif value is None and name not in out:
-                dropped.add(name)
-    return out
-
-
-def check_given(algorithm: str, options: dict[str, Option], given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Check ``given`` against ``options``: (canonical values, canonical name -> the name written).
-
-    Raises ValueError naming an unknown option (with the allowed ones), one
-    given twice under two names, or a value that is not allowed.
-    """
-    by_name = {alias: name for name, o in options.items() for alias in (name, *o.aliases)}
-    unknown = sorted(k for k in given if k not in by_name)
-    if unknown:
-        allowed = ", ".join(_listing(o) for o in options.values()) or "none"
-        raise ValueError(f"algorithm {algorithm!r} has no option {', '.join(map(repr, unknown))}; allowed options: {allowed}")
-    values = {name: o.default for name, o in options.items()}
-    written: dict[str, str] = {}
-    for key, value in given.items():
-        name = by_name[key]
-        if name in written:
-            raise ValueError(f"option {name!r} of {algorithm!r} was given twice, as {written[name]!r} and {key!r}")
-        written[name] = key
-        option = options[name]
-        problem = option.check(value)
-        if problem is not None:
-            names = (name, *option.aliases)
-            also = f" ({' and '.join(names)} name the same option)" if len(names) > 1 else ""
-            raise ValueError(f"{key} must be {problem}, got {value!r}{also}")
-        values[name] = value
-    return values, written
-
-
-def _listing(option: Option) -> str:
-    return option.name + (f" (alias {', '.join(option.aliases)})" if option.aliases else "")

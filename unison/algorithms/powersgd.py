@@ -1,10 +1,8 @@
 """PowerSGD: gradients of matrix-shaped parameters sent as rank-r factors, with error feedback.
 
-Vogels, Karimireddy and Jaggi (NeurIPS 2019). One step of power iteration per
-backward, warm-started from the previous Q: P = orthogonalize(sum of M Q),
-Q = sum of M^T P, gradient = P Q^T; each rank keeps what its own share missed
-and adds it to its next gradient. Two dependent allreduces per bucket, on a
-CommThread over a private group. See docs/algorithms.md#powersgd.
+Vogels, Karimireddy and Jaggi (NeurIPS 2019): one step of power iteration per backward,
+warm-started from the previous Q, with error feedback; two dependent allreduces per
+bucket, on a CommThread over a private group. See docs/algorithms.md#powersgd.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch.distributed as dist
 
 from ..engine import comm
 from ..engine.buckets import Bucket, split
-from ..engine.codecs import LowRank, orthogonalize  # noqa: F401 (orthogonalize: this module's name for it)
+from ..engine.codecs import LowRank
 from ..engine.comm import Waitable
 from ..engine.flatstate import FlatState
 from ..replica import Replica
@@ -58,7 +56,8 @@ def plan_bucket(params: Sequence[torch.Tensor], rank: int, min_rate: float) -> B
         else:
             plain.append(i)
     plain_numel = sum(params[i].numel() for i in plain)
-    return BucketPlan(compressed, plain, shapes, plain_numel, sum(n * rank for n, _ in shapes), sum(m * rank for _, m in shapes))
+    p_numel, q_numel = sum(n * rank for n, _ in shapes), sum(m * rank for _, m in shapes)
+    return BucketPlan(compressed, plain, shapes, plain_numel, p_numel, q_numel)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -80,7 +79,8 @@ class PowerSGDState(ThreadedState):
         self.buffers: dict[tuple[str, ...], tuple[torch.Tensor, LowRank]] = {}  # first message, factors
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.passes, "residuals": self.residuals.state_dict(), "qs": {n: q.clone() for n, q in self.qs.items()}}
+        qs = {n: q.clone() for n, q in self.qs.items()}
+        return {"steps": self.passes, "residuals": self.residuals.state_dict(), "qs": qs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"steps", "residuals", "qs"} - set(state)
@@ -124,7 +124,8 @@ class PowerSGD(Algorithm[PowerSGDState]):
     ) -> Optional[Waitable]:
         if not self.compressing(state):
             return comm.start(dist.all_reduce, bucket.flat, group=group)
-        return state.running_thread().submit(self._compressed_reduce, state, bucket, self._plan(state, bucket), state.passes)
+        plan = self._plan(state, bucket)
+        return state.running_thread().submit(self._compressed_reduce, state, bucket, plan, state.passes)
 
     def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
         if not self.compressing(state):
@@ -171,7 +172,8 @@ class PowerSGD(Algorithm[PowerSGDState]):
         mats = [views[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
         errors = [residuals[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
         if cast:
-            (mats, out_mats), (errors, out_errors) = ([m.to(dtype) for m in mats], mats), ([torch.empty_like(m) for m in errors], errors)
+            mats, out_mats = [m.to(dtype) for m in mats], mats
+            errors, out_errors = [torch.empty_like(m) for m in errors], errors
         first, low = self._buffers(state, bucket, plan, dtype)
         for k, i in enumerate(plan.compressed):
             q = self._q(state, bucket.names[i], plan.shapes[k][1], step, dtype, first.device)

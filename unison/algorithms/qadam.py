@@ -78,7 +78,8 @@ class QAdam(Algorithm[QAdamState]):
         if missing:
             raise ValueError(
                 f"qadam turns every gradient into momentum, so the QAdamOptimizer must hold every trainable "
-                f"parameter; it does not hold {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                f"parameter; it does not hold {missing[0]!r}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             )
         return QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed else ()))
 
@@ -111,7 +112,9 @@ class QAdam(Algorithm[QAdamState]):
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
 
 
-def _average(exchange: Any, flat: torch.Tensor, group: Optional[dist.ProcessGroup], momentum: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+def _average(
+    exchange: Any, flat: torch.Tensor, group: Optional[dist.ProcessGroup], momentum: torch.Tensor, denom: torch.Tensor
+) -> torch.Tensor:
     """On the CommThread: average the update directions in 8 bits, then turn them back into momenta.
 
     Dividing by the frozen denominator (the same on every rank) commutes with
@@ -134,7 +137,10 @@ def _denominator(state: QAdamState, bucket: Bucket) -> tuple[torch.Tensor, torch
     settings = {id(p): group for group in opt.param_groups for p in group["params"]}
     variances = [opt.state.get(p, {}).get("exp_avg_sq") for p in bucket.params]
     key = (
-        tuple((id(v), None if v is None else v._version, settings[id(p)]["eps"], settings[id(p)]["betas"][1]) for v, p in zip(variances, bucket.params)),
+        tuple(
+            (id(v), None if v is None else v._version, settings[id(p)]["eps"], settings[id(p)]["betas"][1])
+            for v, p in zip(variances, bucket.params)
+        ),
         opt.warmup_steps,
     )
     cached = state.denominators.get(bucket.index)

@@ -52,7 +52,9 @@ class QAdamOptimizer(torch.optim.Optimizer):
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be a positive integer (the variance is learned during them), got {warmup_steps!r}")
+            raise ValueError(
+                f"warmup_steps must be a positive integer (the variance is learned during them), got {warmup_steps!r}"
+            )
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.warmup_steps = warmup_steps
         self.steps_taken = 0

@@ -78,7 +78,9 @@ class Streamed(Algorithm[T]):
         """Sync ``fragments`` fragments of ``state`` on the schedule, through ``launch`` and ``merge``."""
         stagger = Stagger(self.period, fragments, self.schedule().delay)
         state.streams = Streams(
-            stagger, lambda f: self.launch(replica, state, f), lambda f, result, extra: self.merge(replica, state, f, result, extra)
+            stagger,
+            lambda f: self.launch(replica, state, f),
+            lambda f, result, extra: self.merge(replica, state, f, result, extra),
         )
 
     def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:

@@ -70,9 +70,13 @@ class Stagger:
 
     def __init__(self, period: int, fragments: int, delay: int) -> None:
         if fragments > period:
-            raise ValueError(f"fragments ({fragments}) must be at most period ({period}): each fragment syncs after its own step")
+            raise ValueError(
+                f"fragments ({fragments}) must be at most period ({period}): each fragment syncs after its own step"
+            )
         if delay >= period:
-            raise ValueError(f"delay ({delay}) must be less than period ({period}): a fragment's sync lands before its next one starts")
+            raise ValueError(
+                f"delay ({delay}) must be less than period ({period}): a fragment's sync lands before its next one starts"
+            )
         self.period, self.fragments, self.delay = period, fragments, delay
 
     def offset(self, fragment: int) -> int:
@@ -108,7 +112,9 @@ class Streams:
         self, stagger: Stagger, launch: Callable[[int], tuple[Waitable, Any]], merge: Callable[[int, Any, Any], None]
     ) -> None:
         self.stagger, self._launch, self._merge = stagger, launch, merge
-        self.inflight: dict[int, tuple[int, Waitable, Any]] = {}  # fragment -> (launch step, pending, extra), in launch order
+        self.inflight: dict[
+            int, tuple[int, Waitable, Any]
+        ] = {}  # fragment -> (launch step, pending, extra), in launch order
 
     def advance(self, step: int) -> None:
         """After local step ``step``: merge the syncs due, then launch the fragments due."""
@@ -137,7 +143,10 @@ class Streams:
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The syncs in flight, received (waits for them) but not merged: a resumed run merges them on schedule."""
-        return [{"fragment": f, "step": s, "result": _copy(p.wait()), "extra": _copy(e)} for f, (s, p, e) in self.inflight.items()]
+        return [
+            {"fragment": f, "step": s, "result": _copy(p.wait()), "extra": _copy(e)}
+            for f, (s, p, e) in self.inflight.items()
+        ]
 
     def load_state_dict(self, entries: list[dict[str, Any]]) -> None:
         self.drop()

@@ -45,8 +45,9 @@ def algorithm(text: str) -> str:
     names = ", ".join(algorithms.names())
     name = text.partition(":")[0].strip()
     if name not in algorithms.names():
-        raise argparse.ArgumentTypeError(f"unknown algorithm {name!r}; choose from {names} "
-                                         "(with options: NAME:key=value,..., e.g. powersgd:rank=2)")
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {name!r}; choose from {names} (with options: NAME:key=value,..., e.g. powersgd:rank=2)"
+        )
     try:
         algorithms.create(text)
     except (ValueError, TypeError) as exc:

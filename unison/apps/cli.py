@@ -28,17 +28,35 @@ def add_train_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=positive_int, default=defaults.nproc, help="worker processes")
-    p.add_argument("--algorithm", type=algorithm, default=defaults.algorithm, metavar="NAME[:KEY=VALUE,...]",
-                   help="how replicas agree, with options if you like (powersgd:rank=2): "
-                   + ", ".join(algorithms.names()))
+    p.add_argument(
+        "--algorithm",
+        type=algorithm,
+        default=defaults.algorithm,
+        metavar="NAME[:KEY=VALUE,...]",
+        help="how replicas agree, with options if you like (powersgd:rank=2): " + ", ".join(algorithms.names()),
+    )
     p.add_argument("--epochs", type=positive_int, default=defaults.epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="samples per step on each rank")
     p.add_argument("--lr", type=positive_float, default=defaults.lr, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the split, the model and the shuffling")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH")
-    p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="save DIR/checkpoint.pt and resume from it when it exists")
-    p.add_argument("--checkpoint-every", metavar="N", type=positive_int, default=None, help="checkpoint every N steps (None: at every epoch's end)")
-    p.add_argument("--max-restarts", metavar="N", type=non_negative_int, default=defaults.max_restarts, help="restart the workers up to N times after a failure (each resumes from the last checkpoint)")
+    p.add_argument(
+        "--checkpoint-dir", metavar="DIR", default=None, help="save DIR/checkpoint.pt and resume from it when it exists"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="checkpoint every N steps (None: at every epoch's end)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        metavar="N",
+        type=non_negative_int,
+        default=defaults.max_restarts,
+        help="restart the workers up to N times after a failure (each resumes from the last checkpoint)",
+    )
     p.set_defaults(run=run_train)
 
 

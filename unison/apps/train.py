@@ -35,7 +35,6 @@ from unison.runtime import free_port
 
 from .workloads.digits import Digits, load_data  # noqa: F401  (the job's data)
 
-
 # The qadam run's Adam step size and full-precision warm-up (in steps; an epoch is 23 on 2 ranks).
 QADAM_LR = 0.003
 QADAM_WARMUP_STEPS = 50
@@ -69,11 +68,7 @@ def build_model(seed: int, n_in: int = 64, hidden: int = 128, n_out: int = 10) -
     """A two-hidden-layer MLP, initialized from ``seed`` so every rank starts alike."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(n_in, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, n_out),
+        nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_out)
     )
 
 
@@ -257,6 +252,8 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
     optimizer = build_optimizer(config, net.parameters())
     model = unison.DataParallel(net, optimizer, algorithm=config.algorithm)
     loader = unison.sharded_loader(data.train, batch_size=config.batch_size, seed=config.seed)
+    sampler = loader.sampler
+    assert isinstance(sampler, unison.ShardSampler)  # sharded_loader's
     loss_fn = nn.CrossEntropyLoss()
     is_main = topo.rank == 0
     run = Checkpoints(config, topo.rank, model, optimizer, loader.sampler)
@@ -267,7 +264,7 @@ def run_training(config: TrainConfig, topo: unison.Topology) -> Optional[dict[st
     with progress_bar() if is_main else NoProgress() as bar:
         for epoch in range(run.epoch, config.epochs):
             run.epoch = epoch
-            loader.sampler.set_epoch(epoch)  # the resumed epoch goes on where the checkpoint left it
+            sampler.set_epoch(epoch)  # the resumed epoch goes on where the checkpoint left it
             task = bar.add_task(f"epoch {epoch + 1}/{config.epochs}", total=len(loader), loss=0.0, rate=0.0)
             total, seen = train_epoch(model, loader, optimizer, loss_fn, bar, task, topo.world_size, run.after_step)
             model.end_epoch(run.epoch_loss(total, seen))

@@ -76,7 +76,13 @@ class AsyncQuantizedAverage:
     codes to each other rank, about a quarter of fp32.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], feedback: Optional[torch.Tensor] = None, chunk_size: int = 1024):
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        feedback: Optional[torch.Tensor] = None,
+        chunk_size: int = 1024,
+    ):
         self._tensors, world = list(tensors), dist.get_world_size(group)
         with torch.no_grad():
             flat = flatten(self._tensors).float()
@@ -115,7 +121,9 @@ def average_async(
     return AsyncAverage(tensors, group, wire_dtype)
 
 
-def average_(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire_dtype: Optional[torch.dtype] = None) -> int:
+def average_(
+    tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire_dtype: Optional[torch.dtype] = None
+) -> int:
     """Replace ``tensors`` by their average over ``group`` (blocking); returns the bytes sent."""
     pending = AsyncAverage(tensors, group, wire_dtype)
     with torch.no_grad():

@@ -29,13 +29,22 @@ import torch
 LEVELS = 255
 #: Side data per chunk: a float32 min and a float32 scale.
 SIDE_BYTES = 8
+CPU = torch.device("cpu")
+
 #: Values per block of MinMax8's blocked loops: a block and its scratch fit a core's L2 cache.
 BLOCK = 1 << 18
 #: Values per block of rows in ``LowRank.finish``.
 FINISH_BLOCK = 1 << 15
 
 
-def encode_(values: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, scratch: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> None:
+def encode_(
+    values: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    codes: torch.Tensor,
+    scratch: Optional[torch.Tensor] = None,
+    work: Optional[torch.Tensor] = None,
+) -> None:
     """Quantize ``values`` (float32 ``[..., chunks, size]``) chunk by chunk.
 
     Writes each chunk's min and step ``(max - min) / 255`` into ``mins`` and
@@ -99,7 +108,7 @@ class MinMax8:
         y = codec.decode(message)[: x.numel()]
     """
 
-    def __init__(self, numel: int, rows: int = 1, chunk_size: int = 1024, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, numel: int, rows: int = 1, chunk_size: int = 1024, device: torch.device = CPU) -> None:
         self.numel, self.rows = numel, rows
         self.chunks, self.size, self.row_bytes = layout(numel, rows, chunk_size)
         self.side = SIDE_BYTES * self.chunks
@@ -165,7 +174,9 @@ class MinMax8:
         mins, scales, codes = self.parts(packed)
         return decode_(codes, mins, scales, self.values[: packed.shape[0]] if out is None else out)
 
-    def _block(self, x: torch.Tensor, block: tuple[int, int, int, int, int], work: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _block(
+        self, x: torch.Tensor, block: tuple[int, int, int, int, int], work: torch.Tensor, pad: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
         """One block of the flat ``x`` as ``[c, size]``: a view if it is whole float32 values, else
         copied into ``work`` and padded with ``pad``. Also whether it is a view."""
         _, _, c, start, real = block
@@ -176,7 +187,13 @@ class MinMax8:
         w[real:].fill_(pad)
         return w.view(c, self.size), False
 
-    def encode_from(self, x: torch.Tensor, packed: torch.Tensor, feedback: Optional[torch.Tensor] = None, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def encode_from(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        feedback: Optional[torch.Tensor] = None,
+        pad: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Quantize the flat ``x`` (``numel`` values, any float dtype) into ``packed`` (all rows); returns ``packed``.
 
         With ``feedback`` (flat, like ``x``): ``x + feedback`` is quantized,
@@ -220,7 +237,9 @@ class MinMax8:
         step = -(-per_row // max(1, min(parts, per_row)))
         out = []
         for b0 in range(0, per_row, step):
-            blocks = [self._blocks[r * per_row + b] for r in range(self.rows) for b in range(b0, min(b0 + step, per_row))]
+            blocks = [
+                self._blocks[r * per_row + b] for r in range(self.rows) for b in range(b0, min(b0 + step, per_row))
+            ]
             c0, chunks = blocks[0][1], sum(b[2] for b in blocks) // self.rows
             part = copy.copy(self)
             part.chunks, part.side, part._values = chunks, SIDE_BYTES * chunks, None
@@ -282,7 +301,9 @@ def dequantize_minmax(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Ten
     """Decode ``quantize_minmax``'s output: its first ``numel`` values, as float32."""
     chunks = mins.numel()
     if scales.numel() != chunks or chunks == 0 or codes.numel() % chunks:
-        raise ValueError(f"{codes.numel()} codes cannot be split into the {chunks} chunks given by mins ({mins.numel()}) and scales ({scales.numel()})")
+        raise ValueError(
+            f"{codes.numel()} codes cannot be split into the {chunks} chunks given by mins ({mins.numel()}) and scales ({scales.numel()})"
+        )
     if numel > codes.numel():
         raise ValueError(f"asked for {numel} values but only {codes.numel()} codes were given")
     rows = codes.reshape(chunks, -1)
@@ -331,7 +352,14 @@ class LowRank:
     on blocks of rows that stay in cache between its two products.
     """
 
-    def __init__(self, shapes: Sequence[tuple[int, int]], rank: int, p_flat: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        shapes: Sequence[tuple[int, int]],
+        rank: int,
+        p_flat: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device = CPU,
+    ) -> None:
         self.shapes, self.rank = [tuple(s) for s in shapes], rank
         if p_flat is None:
             p_flat = torch.empty(sum(n for n, _ in self.shapes) * rank, dtype=dtype, device=device)

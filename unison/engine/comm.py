@@ -150,7 +150,9 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: i
     return _unpickled(t, t.numel())
 
 
-def check_same_everywhere(what: str, entries: Sequence[Any], group: Optional[dist.ProcessGroup], describe: Callable[[Any], str]) -> None:
+def check_same_everywhere(
+    what: str, entries: Sequence[Any], group: Optional[dist.ProcessGroup], describe: Callable[[Any], str]
+) -> None:
     """Raise ValueError on every rank if ``entries`` differ between ranks.
 
     Each rank's list is gathered (one collective), so every rank sees every

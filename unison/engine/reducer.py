@@ -42,7 +42,9 @@ class Questions(Protocol):
 
     def grad_scale(self, world_size: int) -> float: ...
 
-    def reduce_bucket(self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]) -> Optional[comm.Waitable]: ...
+    def reduce_bucket(
+        self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]
+    ) -> Optional[comm.Waitable]: ...
 
     def bucket_wire_bytes(self, bucket: bucketing.Bucket, world_size: int) -> int: ...
 
@@ -144,7 +146,9 @@ class GradReducer:
         self.bytes_total = 0
         self.bytes_last = 0
 
-        self._set_buckets(bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap))
+        self._set_buckets(
+            bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap)
+        )
         self._replan_pending = True
         self._flag_group = comm.private_group(group, f"{tag}/flags")
         self._rank = dist.get_rank(group) if group is not None else 0
@@ -156,7 +160,9 @@ class GradReducer:
         self._sync = self._local_sync = True
         self._in_pass = False
         self._active = False
-        self._handles_hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self._handles_hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
 
     # ---- what owners set ---------------------------------------------------
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -333,7 +339,9 @@ class GradReducer:
             return False
         if grad.data_ptr() != view.data_ptr():
             if grad.is_sparse:
-                raise RuntimeError(f"parameter {self.names[i]!r} has a sparse gradient; unison reduces dense gradients only (use sparse=False)")
+                raise RuntimeError(
+                    f"parameter {self.names[i]!r} has a sparse gradient; unison reduces dense gradients only (use sparse=False)"
+                )
             if self._scale != 1.0:
                 torch.mul(grad, self._scale, out=view)
             else:

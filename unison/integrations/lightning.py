@@ -30,8 +30,8 @@ try:
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "unison.integrations.lightning needs PyTorch Lightning 2.2 or later: pip install \"unison[lightning]\" "
-        f"(or pip install \"lightning>=2.2\") [{exc}]"
+        'unison.integrations.lightning needs PyTorch Lightning 2.2 or later: pip install "unison[lightning]" '
+        f'(or pip install "lightning>=2.2") [{exc}]'
     ) from exc
 
 import unison
@@ -305,7 +305,9 @@ class UnisonStrategy(DDPStrategy):
 
     # ---- events of the loops (called by _UnisonHooks) -----------------------------
     def _drifting(self) -> bool:
-        return isinstance(self.model, unison.DataParallel) and self.model.algorithm.replicas_drift and self.world_size > 1
+        return (
+            isinstance(self.model, unison.DataParallel) and self.model.algorithm.replicas_drift and self.world_size > 1
+        )
 
     def _before_validation(self, trainer: "pl.Trainer") -> None:
         model = self.model
@@ -400,7 +402,9 @@ class UnisonStrategy(DDPStrategy):
         if not isinstance(self.model, unison.DataParallel) or not part:
             return None
         if part.get("version") != _CHECKPOINT_VERSION:
-            raise ValueError(f"this checkpoint's unison part has version {part.get('version')!r}; this unison reads {_CHECKPOINT_VERSION}")
+            raise ValueError(
+                f"this checkpoint's unison part has version {part.get('version')!r}; this unison reads {_CHECKPOINT_VERSION}"
+            )
         entry, same_world = entry_for_rank(part["ranks"], self.global_rank, self.world_size)
         if same_world:
             return entry
@@ -416,7 +420,9 @@ class UnisonStrategy(DDPStrategy):
         part = checkpoint[CHECKPOINT_KEY]
         saved = part["algorithm"]
         if saved["describe"] != model.algorithm.describe():
-            rank_zero_info(f"unison: resuming with algorithm {saved['describe']}, which was running when the checkpoint was saved")
+            rank_zero_info(
+                f"unison: resuming with algorithm {saved['describe']}, which was running when the checkpoint was saved"
+            )
             model.switch_to(algorithms.create(saved["name"], **saved["options"]))
         if entry.get("resized"):
             rank_zero_warn(

@@ -111,7 +111,17 @@ def is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out", "timed out", "gloo", "NCCL")
+        s in text
+        for s in (
+            "Connection reset",
+            "Connection closed",
+            "Connection refused",
+            "Broken pipe",
+            "Timed out",
+            "timed out",
+            "gloo",
+            "NCCL",
+        )
     )
 
 
@@ -121,7 +131,9 @@ def explain(exc: BaseException, what: str) -> BaseException:
     if hb is None or not is_comm_failure(exc):
         return exc
     original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    advice = "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
+    advice = (
+        "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
+    )
     stale_s = INTERVAL_S * STALE_AFTER
     deadline = time.time() + stale_s + 2 * INTERVAL_S
     while True:  # a peer that just died still has a fresh heartbeat: give it time to go stale
@@ -132,7 +144,10 @@ def explain(exc: BaseException, what: str) -> BaseException:
                 host, ranks = "the launcher's rendezvous store", []
             else:
                 host, ranks = "rank 0, which hosts the rendezvous store,", [0]
-            return RankFailure(f"rank {hb.rank}: {what} failed and {host} cannot be reached: it died or its machine went down. {advice} [{original}]", ranks)
+            return RankFailure(
+                f"rank {hb.rank}: {what} failed and {host} cannot be reached: it died or its machine went down. {advice} [{original}]",
+                ranks,
+            )
         now = time.time()
         silent = [r for r in range(hb.world) if r != hb.rank and (r not in beats or now - beats[r][0] > stale_s)]
         if silent or now > deadline:
@@ -140,10 +155,18 @@ def explain(exc: BaseException, what: str) -> BaseException:
         time.sleep(INTERVAL_S / 2)
     if silent:
         ages = ", ".join(
-            f"rank {r} (" + (f"silent for {now - beats[r][0]:.1f} s, after {beats[r][1]} forward passes" if r in beats else "no heartbeat at all") + ")"
+            f"rank {r} ("
+            + (
+                f"silent for {now - beats[r][0]:.1f} s, after {beats[r][1]} forward passes"
+                if r in beats
+                else "no heartbeat at all"
+            )
+            + ")"
             for r in silent
         )
-        message = f"rank {hb.rank}: {what} failed because {ages} stopped answering: it died or hangs. {advice} [{original}]"
+        message = (
+            f"rank {hb.rank}: {what} failed because {ages} stopped answering: it died or hangs. {advice} [{original}]"
+        )
         return RankFailure(message, silent)
     if beats:
         lowest = min(p for _, p in beats.values())

@@ -75,7 +75,13 @@ def _slurm_tasks_per_node(value: Optional[str]) -> Optional[int]:
 
 # MPI launchers: name, then the variables of rank, world size, local rank, local size.
 _MPI_LAUNCHERS = (
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
 
@@ -228,9 +234,7 @@ def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store
 
 
 def init(
-    backend: Optional[str] = None,
-    timeout: Optional[float | datetime.timedelta] = None,
-    nodes: Optional[int] = None,
+    backend: Optional[str] = None, timeout: Optional[float | datetime.timedelta] = None, nodes: Optional[int] = None
 ) -> Topology:
     """Start (or adopt) torch.distributed's default process group.
 

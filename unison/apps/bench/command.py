@@ -45,46 +45,88 @@ def add_parser(subparsers) -> None:
     )
     what = p.add_argument_group("what to train")
     what.add_argument("--workload", choices=workloads.NAMES, default="digits", help="built-in workload")
-    what.add_argument("--model", metavar="PKG.MOD:FACTORY", default=None,
-                      help="your own: factory() returns (model, dataset, loss_fn); replaces --workload")
-    what.add_argument("--contenders", default=None, metavar="LIST",
-                      help="comma list of unison algorithms (with options: powersgd:rank=2) and peers "
-                      f"({', '.join(contenders.PEERS)}); default: all (with --quick: {','.join(contenders.QUICK)})")
+    what.add_argument(
+        "--model",
+        metavar="PKG.MOD:FACTORY",
+        default=None,
+        help="your own: factory() returns (model, dataset, loss_fn); replaces --workload",
+    )
+    what.add_argument(
+        "--contenders",
+        default=None,
+        metavar="LIST",
+        help="comma list of unison algorithms (with options: powersgd:rank=2) and peers "
+        f"({', '.join(contenders.PEERS)}); default: all (with --quick: {','.join(contenders.QUICK)})",
+    )
     what.add_argument("--list", action="store_true", help="print every contender and exit")
     net = p.add_argument_group("the network")
-    net.add_argument("--bandwidth", type=_checked(netem.parse_rate), default="1gbit",
-                     help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited'")
-    net.add_argument("--latency", type=_checked(netem.parse_delay), default="2ms",
-                     help="one-way delay between nodes (500us, 2ms) or 0")
+    net.add_argument(
+        "--bandwidth",
+        type=_checked(netem.parse_rate),
+        default="1gbit",
+        help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited'",
+    )
+    net.add_argument(
+        "--latency",
+        type=_checked(netem.parse_delay),
+        default="2ms",
+        help="one-way delay between nodes (500us, 2ms) or 0",
+    )
     net.add_argument("--nodes", type=positive_int, default=2, help="emulated machines")
-    net.add_argument("--procs-per-node", type=positive_int, default=1, help="processes per machine (they share its loopback)")
+    net.add_argument(
+        "--procs-per-node", type=positive_int, default=1, help="processes per machine (they share its loopback)"
+    )
     net.add_argument("--no-emulation", action="store_true", help="run on plain loopback even as root")
     net.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, and exit")
     how = p.add_argument_group("how long and how judged (defaults depend on the workload)")
     how.add_argument("--steps", type=positive_int, default=None, help="training steps per contender")
-    how.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
-                     help="training seconds per contender; one still short of a known target then trains on "
-                     "until it reaches it, its last step or --time-cap")
-    how.add_argument("--time-cap", type=positive_float, default=None, metavar="SECONDS",
-                     help=f"most training seconds for a contender still short of the target after its time budget "
-                     f"(default: {runner.TIME_CAP_FACTOR:g} x the time budget; equal to it: a hard budget)")
+    how.add_argument(
+        "--time-budget",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="training seconds per contender; one still short of a known target then trains on "
+        "until it reaches it, its last step or --time-cap",
+    )
+    how.add_argument(
+        "--time-cap",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help=f"most training seconds for a contender still short of the target after its time budget "
+        f"(default: {runner.TIME_CAP_FACTOR:g} x the time budget; equal to it: a hard budget)",
+    )
     how.add_argument("--target", type=float, default=None, help="target quality (accuracy as a fraction, or a loss)")
-    how.add_argument("--target-from", default=None, metavar="CONTENDER",
-                     help="target: within 2%% of this contender's final quality (e.g. allreduce); it runs first, "
-                     "for its whole step budget (up to --time-cap), and is added if not listed")
+    how.add_argument(
+        "--target-from",
+        default=None,
+        metavar="CONTENDER",
+        help="target: within 2%% of this contender's final quality (e.g. allreduce); it runs first, "
+        "for its whole step budget (up to --time-cap), and is added if not listed",
+    )
     how.add_argument("--eval-every", type=positive_int, default=None, help="steps between evaluations")
     how.add_argument("--batch-size", type=positive_int, default=None, help="samples per step on each rank")
     how.add_argument("--lr", type=positive_float, default=None, help="learning rate")
     how.add_argument("--seed", type=int, default=0, help="seed of the data split and the model")
     how.add_argument("--quick", action="store_true", help="5 contenders, short runs: a few minutes at most")
-    how.add_argument("--contender-timeout", type=positive_float, default=None, metavar="SECONDS",
-                     help="fail a contender that runs longer (default: 180 + 3 x the time cap)")
+    how.add_argument(
+        "--contender-timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="fail a contender that runs longer (default: 180 + 3 x the time cap)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--out", default="bench-results", metavar="DIR", help="folder for the plots, JSON and logs")
-    out.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here (default: DIR/bench.json)")
-    out.add_argument("--no-plot", action="store_true",
-                     help="write no PNG plots (then matplotlib is not needed; without this flag a missing "
-                     "matplotlib stops the bench before it starts)")
+    out.add_argument(
+        "--json", default=None, metavar="PATH", help="write the JSON report here (default: DIR/bench.json)"
+    )
+    out.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no PNG plots (then matplotlib is not needed; without this flag a missing "
+        "matplotlib stops the bench before it starts)",
+    )
     p.set_defaults(run=run)
 
 
@@ -119,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     if args.cleanup:
         removed = netem.cleanup_stale()
-        console.print(f"removed {len(removed)} namespace(s) left by killed runs" + (f": {', '.join(removed)}" if removed else ""))
+        console.print(
+            f"removed {len(removed)} namespace(s) left by killed runs" + (f": {', '.join(removed)}" if removed else "")
+        )
         return 0
     if args.list:
         for spec in contenders.all_specs():
@@ -155,7 +199,8 @@ def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
 
 def open_network(config: runner.BenchConfig, console: Console) -> tuple[Optional[netem.Network], dict[str, Any]]:
     """The emulated network, or None and why not (then ranks run on loopback)."""
-    world = f"{config.nodes} node{'s' if config.nodes > 1 else ''} x {config.procs_per_node} process{'es' if config.procs_per_node > 1 else ''}"
+    nodes, procs = config.nodes, config.procs_per_node
+    world = f"{nodes} node{'s' if nodes > 1 else ''} x {procs} process{'es' if procs > 1 else ''}"
     loopback = {"emulated": False, "nodes": config.nodes}
     if not config.emulate:
         return None, {**loopback, "summary": f"{world}, plain loopback", "note": None}
@@ -177,8 +222,13 @@ def open_network(config: runner.BenchConfig, console: Console) -> tuple[Optional
     return net, {**info, "summary": f"{world}, {', '.join(parts)}"}
 
 
-def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console: Console, json_path: Optional[str] = None,
-          argv: Optional[list[str]] = None) -> int:
+def bench(
+    config: runner.BenchConfig,
+    specs: list[contenders.Spec],
+    console: Console,
+    json_path: Optional[str] = None,
+    argv: Optional[list[str]] = None,
+) -> int:
     """Run the bench and write its report; the exit code (0 even when some contenders failed, 1 when the
     plots failed: the table and JSON are written before the plots, so a plotting error loses nothing else)."""
     started = time.perf_counter()
@@ -199,8 +249,9 @@ def bench(config: runner.BenchConfig, specs: list[contenders.Spec], console: Con
     return code
 
 
-def announce(config: runner.BenchConfig, specs: list[contenders.Spec], network: dict[str, Any],
-             console: Console) -> None:
+def announce(
+    config: runner.BenchConfig, specs: list[contenders.Spec], network: dict[str, Any], console: Console
+) -> None:
     """The line that says what will run, and which contenders will not (not installed)."""
     settings, run = config.settings(), config.resolved()
     how_long = f"{run['steps']} steps or {run['time_budget_s']:g} s each"
@@ -208,8 +259,9 @@ def announce(config: runner.BenchConfig, specs: list[contenders.Spec], network: 
         how_long += f" (up to {run['time_cap_s']:g} s to reach the target)"
     if config.target_from:
         how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
-    console.print(f"unison bench: {config.model or config.workload}, {len(specs)} contenders, "
-                  f"{network['summary']}; {how_long}")
+    console.print(
+        f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; {how_long}"
+    )
     for line in deps.skipped(specs):
         console.print(f"[yellow]{escape(line)}[/]")
     if not config.plots:
@@ -221,25 +273,32 @@ def progress_printer(settings: workloads.Settings, console: Console) -> Callable
 
     def progress(i: int, n: int, r: dict[str, Any]) -> None:
         if r["status"] == "ok":
-            console.print(f"[{i + 1}/{n}] {escape(r['label'])}: {r['step_ms']:.1f} ms/step, "
-                          f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)")
+            console.print(
+                f"[{i + 1}/{n}] {escape(r['label'])}: {r['step_ms']:.1f} ms/step, "
+                f"{settings.metric} {r['final_quality']:.4f} ({r['wall_time_s']:.0f} s)"
+            )
         else:
             console.print(f"[{i + 1}/{n}] {escape(r['label'])}: [red]{r['status']}[/]: {escape(r.get('error', ''))}")
 
     return progress
 
 
-def report_doc(config: runner.BenchConfig, results: list[dict[str, Any]], network: dict[str, Any],
-               argv: Optional[list[str]]) -> dict[str, Any]:
+def report_doc(
+    config: runner.BenchConfig, results: list[dict[str, Any]], network: dict[str, Any], argv: Optional[list[str]]
+) -> dict[str, Any]:
     """The whole report, as the JSON holds it (``plots`` empty until they are drawn)."""
     settings = config.settings()
     summary = report.summarize(results, settings, config.target, config.target_from)
     world = config.nodes * config.procs_per_node
     return {
         "command": " ".join(argv or []),
-        "workload": {"name": config.model or config.workload, "metric": settings.metric,
-                     "higher_is_better": settings.higher_is_better,
-                     "params": next((r["params"] for r in results if r.get("params")), None), **config.resolved()},
+        "workload": {
+            "name": config.model or config.workload,
+            "metric": settings.metric,
+            "higher_is_better": settings.higher_is_better,
+            "params": next((r["params"] for r in results if r.get("params")), None),
+            **config.resolved(),
+        },
         "network": network,
         "world": {"nodes": config.nodes, "procs_per_node": config.procs_per_node, "world_size": world},
         **summary,
@@ -254,8 +313,10 @@ def plot(doc: dict[str, Any], out_dir: str, json_path: str) -> int:
     try:
         doc["plots"] = report.write_plots(doc, out_dir)
     except Exception as exc:  # an optional output: the results are on disk already
-        print(f"unison bench: the plots failed ({type(exc).__name__}: {exc}); the table and {json_path} "
-              "are written", file=sys.stderr)
+        print(
+            f"unison bench: the plots failed ({type(exc).__name__}: {exc}); the table and {json_path} are written",
+            file=sys.stderr,
+        )
         return 1
     report.write_json(doc, json_path)
     return 0

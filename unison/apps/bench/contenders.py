@@ -60,7 +60,11 @@ class Spec:
 
     @property
     def label(self) -> str:
-        return self.text if self.kind == "unison" else (PEERS[self.name] + (f" ({self.text.partition(':')[2]})" if self.options else ""))
+        return (
+            self.text
+            if self.kind == "unison"
+            else (PEERS[self.name] + (f" ({self.text.partition(':')[2]})" if self.options else ""))
+        )
 
 
 def parse(text: str) -> Spec:
@@ -88,7 +92,9 @@ def check(spec: Spec) -> None:
     from ... import algorithms
 
     if spec.name not in algorithms.names():
-        raise ValueError(f"unknown contender {spec.name!r}; choose from {', '.join(all_specs())} (unison algorithms take options, e.g. powersgd:rank=2)")
+        raise ValueError(
+            f"unknown contender {spec.name!r}; choose from {', '.join(all_specs())} (unison algorithms take options, e.g. powersgd:rank=2)"
+        )
     algorithms.create(spec.name, **spec.options)
 
 
@@ -152,7 +158,9 @@ def prepare(spec: Spec, workload, lr: Optional[float], topo) -> Prepared:
     from . import workloads
 
     module = workload.model
-    optimizer = workloads.make_optimizer(workload, module.parameters(), lr, algorithm=spec.name if spec.kind == "unison" else None)
+    optimizer = workloads.make_optimizer(
+        workload, module.parameters(), lr, algorithm=spec.name if spec.kind == "unison" else None
+    )
     if spec.kind == "unison":
         return _unison(spec, module, optimizer)
     if spec.kind == "ppe":
@@ -163,7 +171,9 @@ def prepare(spec: Spec, workload, lr: Optional[float], topo) -> Prepared:
 def _unison(spec: Spec, module, optimizer) -> Prepared:
     import unison
 
-    model = unison.DataParallel(module, optimizer=optimizer, algorithm=unison.algorithms.create(spec.name, **spec.options))
+    model = unison.DataParallel(
+        module, optimizer=optimizer, algorithm=unison.algorithms.create(spec.name, **spec.options)
+    )
 
     def finish():
         model.average()
@@ -174,8 +184,15 @@ def _unison(spec: Spec, module, optimizer) -> Prepared:
         tuning = getattr(model.algorithm_state, "tuning", None)
         return {"autotune": tuning} if tuning else {}
 
-    return Prepared(model, optimizer, end_epoch=model.end_epoch, flush=model.flush, finish=finish,
-                    bytes_total=lambda: float(model.comm_stats["bytes_total"]), info=info)
+    return Prepared(
+        model,
+        optimizer,
+        end_epoch=model.end_epoch,
+        flush=model.flush,
+        finish=finish,
+        bytes_total=lambda: float(model.comm_stats["bytes_total"]),
+        info=info,
+    )
 
 
 def _grad_bytes(module) -> int:
@@ -191,29 +208,41 @@ def _torch(spec: Spec, module, optimizer, topo) -> Prepared:
     model = DDP(module)
     sent = [0.0]
     steps = [0]
-    per_step: Callable[[int], float] = lambda step: _ring(grads, world)
-    after: Callable[[], None] = lambda: None
+
+    def per_step(step: int) -> float:
+        return _ring(grads, world)
+
+    def after() -> None:
+        return None
 
     if spec.name == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        per_step = lambda step: _ring(grads / 2, world)
+
+        def per_step(step: int) -> float:
+            return _ring(grads / 2, world)
+
     elif spec.name == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=opts["rank"], start_powerSGD_iter=opts["start_iter"])
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook_state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=opts["rank"], start_powerSGD_iter=opts["start_iter"]
+        )
+        model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
         compressed = _powersgd_bytes(module, opts["rank"])
-        per_step = lambda step: _ring(grads if step < opts["start_iter"] else compressed, world)
+
+        def per_step(step: int) -> float:
+            return _ring(grads if step < opts["start_iter"] else compressed, world)
+
     elif spec.name == "ddp_post_local_sgd":
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
         subgroup = topo.intra_node_group
         local = dist.get_world_size(subgroup) if subgroup is not None else 1
-        state = post_localSGD_hook.PostLocalSGDState(None, subgroup, start_localSGD_iter=opts["warmup_steps"])
-        model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        local_state = post_localSGD_hook.PostLocalSGDState(None, subgroup, start_localSGD_iter=opts["warmup_steps"])
+        model.register_comm_hook(local_state, post_localSGD_hook.post_localSGD_hook)
         averager = PeriodicModelAverager(period=opts["period"], warmup_steps=opts["warmup_steps"])
         params = list(module.parameters())
 
@@ -223,7 +252,8 @@ def _torch(spec: Spec, module, optimizer, topo) -> Prepared:
             extra = _ring(grads, world) if (step + 1) % opts["period"] == 0 else 0.0  # the averager's step
             return _ring(grads, local) + extra
 
-        after = lambda: averager.average_parameters(params)
+        def after() -> None:
+            averager.average_parameters(params)
 
     def after_step():
         after()

@@ -29,13 +29,23 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import Optional
+from typing import Literal, Optional
 
 #: Names this module creates: ``ub<pid>n<i>`` (a node) and ``ub<pid>sw`` (the switch).
 NAMESPACE_RE = re.compile(r"^ub(\d+)(?:n\d+|sw)$")
 SUBNET = "10.77.0"
 
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NO_LIMIT = ("", "0", "none", "unlimited", "off")
 
@@ -57,7 +67,9 @@ def _quantity(text: str, units: dict[str, float], refusal: str) -> Optional[floa
 
 def parse_rate(text: str) -> Optional[float]:
     """Bits per second of a tc-style rate (``"1gbit"``, ``"100mbit"``, ``"50mbps"``); None for no limit."""
-    return _quantity(text, _RATE_UNITS, "bandwidth {text!r} is not a rate such as 1gbit, 100mbit, 10gbit or 50mbps (or 'unlimited')")
+    return _quantity(
+        text, _RATE_UNITS, "bandwidth {text!r} is not a rate such as 1gbit, 100mbit, 10gbit or 50mbps (or 'unlimited')"
+    )
 
 
 def parse_delay(text: str) -> Optional[float]:
@@ -163,7 +175,7 @@ class Network:
         self.up()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.down()
         return False
 
@@ -204,15 +216,51 @@ class Network:
         parent = ["root"]
         if delay and self.delay_s is not None and self.latency_note is None:
             usec = max(1, round(self.delay_s * 1e6))
-            proc = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{usec}us", "limit", "100000", check=False)
+            proc = _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{usec}us",
+                "limit",
+                "100000",
+                check=False,
+            )
             if proc.returncode == 0:
                 parent = ["parent", "1:1"]
             else:
-                self.latency_note = f"latency not emulated: this kernel has no netem qdisc (tc said: {proc.stderr.strip()})"
+                self.latency_note = (
+                    f"latency not emulated: this kernel has no netem qdisc (tc said: {proc.stderr.strip()})"
+                )
         if self.rate_bits is not None:
             burst = max(64 * 1024, int(self.rate_bits / 8 * 0.004))  # 4 ms at line rate, at least a GSO segment
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
-                 "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", "100ms")
+            _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                *parent,
+                "handle",
+                "10:",
+                "tbf",
+                "rate",
+                f"{int(self.rate_bits)}bit",
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
 
     def down(self) -> None:
         """Remove everything this network created (idempotent); processes still inside are killed."""

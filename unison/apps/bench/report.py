@@ -25,8 +25,9 @@ BASELINE = "ddp"
 RELATIVE_TARGET = 0.02
 
 
-def pick_target(results: list[dict], settings: Settings, given: Optional[float],
-                target_from: Optional[str] = None) -> tuple[Optional[float], str]:
+def pick_target(
+    results: list[dict], settings: Settings, given: Optional[float], target_from: Optional[str] = None
+) -> tuple[Optional[float], str]:
     """The target quality and where it came from: ``given``; within 2% of the final quality of the
     contender ``target_from``; the workload's default; or within 2% of the best final quality."""
     if given is not None:
@@ -36,7 +37,9 @@ def pick_target(results: list[dict], settings: Settings, given: Optional[float],
         label = ref["label"] if ref else target_from
         if ref is None or ref.get("status") != "ok" or not _finite(ref.get("final_quality")):
             return None, f"none ({label}, the reference, did not finish)"
-        return _near(ref["final_quality"], settings), f"within {RELATIVE_TARGET:.0%} of {label}'s final {settings.metric}"
+        return _near(
+            ref["final_quality"], settings
+        ), f"within {RELATIVE_TARGET:.0%} of {label}'s final {settings.metric}"
     if settings.target is not None:
         return settings.target, "workload default"
     finals = [r["final_quality"] for r in results if r.get("status") == "ok" and _finite(r.get("final_quality"))]
@@ -48,14 +51,20 @@ def pick_target(results: list[dict], settings: Settings, given: Optional[float],
 
 def _near(quality: float, settings: Settings) -> float:
     """The quality 2% worse than ``quality``: a target just short of it."""
-    return quality - RELATIVE_TARGET * abs(quality) if settings.higher_is_better else quality + RELATIVE_TARGET * abs(quality)
+    return (
+        quality - RELATIVE_TARGET * abs(quality)
+        if settings.higher_is_better
+        else quality + RELATIVE_TARGET * abs(quality)
+    )
 
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def time_to_target(curve: list[list[float]], target: Optional[float], higher_is_better: bool) -> tuple[Optional[float], Optional[int]]:
+def time_to_target(
+    curve: list[list[float]], target: Optional[float], higher_is_better: bool
+) -> tuple[Optional[float], Optional[int]]:
     """(training seconds, steps) at the first evaluation that reached ``target``; (None, None) if none did."""
     if target is None:
         return None, None
@@ -65,8 +74,9 @@ def time_to_target(curve: list[list[float]], target: Optional[float], higher_is_
     return None, None
 
 
-def summarize(results: list[dict], settings: Settings, given_target: Optional[float],
-              target_from: Optional[str] = None) -> dict[str, Any]:
+def summarize(
+    results: list[dict], settings: Settings, given_target: Optional[float], target_from: Optional[str] = None
+) -> dict[str, Any]:
     """Add time to target and speed-ups vs DDP to each result; return the target and recommendation."""
     target, source = pick_target(results, settings, given_target, target_from)
     for r in results:
@@ -77,11 +87,16 @@ def summarize(results: list[dict], settings: Settings, given_target: Optional[fl
         if r.get("status") != "ok":
             continue
         r["speedup_vs_ddp"] = {
-            "step": _ratio(base and base["step_ms"], r["step_ms"]),
-            "target": _ratio(base and base.get("time_to_target_s"), r.get("time_to_target_s")),
+            "step": _ratio(base["step_ms"] if base else None, r["step_ms"]),
+            "target": _ratio(base.get("time_to_target_s") if base else None, r.get("time_to_target_s")),
         }
     return {
-        "target": {"value": target, "source": source, "metric": settings.metric, "higher_is_better": settings.higher_is_better},
+        "target": {
+            "value": target,
+            "source": source,
+            "metric": settings.metric,
+            "higher_is_better": settings.higher_is_better,
+        },
         "recommendation": recommend(results, settings, target),
     }
 
@@ -98,13 +113,17 @@ def recommend(results: list[dict], settings: Settings, target: Optional[float]) 
         best = min(hit, key=lambda r: r["time_to_target_s"])
         vs = best.get("speedup_vs_ddp", {}).get("target")
         versus = f", {vs:.1f}x as fast as torch DDP" if vs and best["spec"] != BASELINE else ""
-        text = (f"Use {best['label']}: it reached {settings.metric} {_fmt_q(target)} first, "
-                f"in {best['time_to_target_s']:.1f} s of training{versus}.")
+        text = (
+            f"Use {best['label']}: it reached {settings.metric} {_fmt_q(target)} first, "
+            f"in {best['time_to_target_s']:.1f} s of training{versus}."
+        )
         return {"contender": best["spec"], "text": text}
     if ok:
         best = max(ok, key=lambda r: r.get("samples_per_s") or 0)
-        text = (f"No contender reached {settings.metric} {_fmt_q(target)}; the highest throughput was "
-                f"{best['label']} ({best['samples_per_s']:,.0f} samples/s). Train longer (--steps, --time-budget) or lower --target.")
+        text = (
+            f"No contender reached {settings.metric} {_fmt_q(target)}; the highest throughput was "
+            f"{best['label']} ({best['samples_per_s']:,.0f} samples/s). Train longer (--steps, --time-budget) or lower --target."
+        )
         return {"contender": None, "text": text}
     return {"contender": None, "text": "Every contender failed; see the errors above and the logs."}
 
@@ -131,10 +150,12 @@ def print_table(report: dict, console=None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     target = report["target"]
     linked = any(r.get("link_bytes_per_step") is not None for r in report["contenders"])
-    table = Table(title=f"unison bench: {report['workload']['name']} on {report['network']['summary']}",
-                  caption=f"target: {target['metric']} {_fmt_q(target['value'])} ({target['source']}); "
-                          "xDDP: torch DDP's time over the contender's (above 1: faster)"
-                          + ("; MB/step measured on each node's link" if linked else "; MB/step sent by one rank"))
+    table = Table(
+        title=f"unison bench: {report['workload']['name']} on {report['network']['summary']}",
+        caption=f"target: {target['metric']} {_fmt_q(target['value'])} ({target['source']}); "
+        "xDDP: torch DDP's time over the contender's (above 1: faster)"
+        + ("; MB/step measured on each node's link" if linked else "; MB/step sent by one rank"),
+    )
     table.add_column("contender", style="bold")
     for header in ("ms/step", "samples/s", "MB/step", "to target", "final", "xDDP step", "xDDP target"):
         table.add_column(header, justify="right", no_wrap=True)
@@ -164,9 +185,11 @@ def print_table(report: dict, console=None) -> None:
             console.print(f"[red]{escape(r['label'])}: {r['status']}: {escape(r.get('error', ''))}[/]")
         if r.get("autotune"):
             a = r["autotune"]
-            console.print(f"{escape(r['label'])}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
-                          f"({a['gain']:.2f}x the step time at the default {_fmt_mb(a['default_mb'])}; "
-                          f"measured {', '.join(f'{_fmt_mb(float(k))}: {v:.1f} ms' for k, v in a['step_ms'].items())})")
+            console.print(
+                f"{escape(r['label'])}: autotune chose {_fmt_mb(a['chosen_mb'])} buckets "
+                f"({a['gain']:.2f}x the step time at the default {_fmt_mb(a['default_mb'])}; "
+                f"measured {', '.join(f'{_fmt_mb(float(k))}: {v:.1f} ms' for k, v in a['step_ms'].items())})"
+            )
     for line in stop_notes(report):
         console.print(escape(line))
     if report["network"].get("note"):
@@ -182,11 +205,15 @@ def stop_notes(report: dict) -> list[str]:
         if r.get("status") != "ok":
             continue
         if r.get("stopped") == "target":
-            lines.append(f"{r['label']}: still short of the target when its {w['time_budget_s']:g} s time budget was spent, "
-                         f"it trained on until it reached it ({r['time_to_target_s']:.1f} s, step {r['steps_to_target']} of {w['steps']}).")
+            lines.append(
+                f"{r['label']}: still short of the target when its {w['time_budget_s']:g} s time budget was spent, "
+                f"it trained on until it reached it ({r['time_to_target_s']:.1f} s, step {r['steps_to_target']} of {w['steps']})."
+            )
         elif r.get("stopped") == "time cap":
             why = "" if r.get("time_to_target_s") is not None else ", short of the target"
-            lines.append(f"{r['label']}: stopped at the {w.get('time_cap_s', 0):g} s time cap{why}, after {r['steps']} of {w['steps']} steps.")
+            lines.append(
+                f"{r['label']}: stopped at the {w.get('time_cap_s', 0):g} s time cap{why}, after {r['steps']} of {w['steps']} steps."
+            )
     return lines
 
 
@@ -236,16 +263,40 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     reached_it = sorted((r for r in ok if r.get("time_to_target_s") is not None), key=lambda r: r["time_to_target_s"])
     if reached_it:
         target = report["target"]
-        paths.append(_bars([r["label"] for r in reached_it], [r["time_to_target_s"] for r in reached_it],
-                           f"training seconds to {target['metric']} {_fmt_q(target['value'])} (shorter is better)",
-                           f"time to target: {title}", os.path.join(out_dir, "time_to_target.png"), reached_it))
-    paths.append(_bars([r["label"] for r in ok], [r["samples_per_s"] for r in ok], "samples/s (all ranks)",
-                       f"throughput: {title}", os.path.join(out_dir, "throughput.png"), ok))
+        paths.append(
+            _bars(
+                [r["label"] for r in reached_it],
+                [r["time_to_target_s"] for r in reached_it],
+                f"training seconds to {target['metric']} {_fmt_q(target['value'])} (shorter is better)",
+                f"time to target: {title}",
+                os.path.join(out_dir, "time_to_target.png"),
+                reached_it,
+            )
+        )
+    paths.append(
+        _bars(
+            [r["label"] for r in ok],
+            [r["samples_per_s"] for r in ok],
+            "samples/s (all ranks)",
+            f"throughput: {title}",
+            os.path.join(out_dir, "throughput.png"),
+            ok,
+        )
+    )
     linked = all(r.get("link_bytes_per_step") is not None for r in ok)
     values = [(r["link_bytes_per_step"] if linked else r["bytes_per_step"]) / 1e6 for r in ok]
     what = "MB per step on each node's link (measured)" if linked else "MB sent per step by one rank"
-    paths.append(_bars([r["label"] for r in ok], values, what, f"communication: {title}",
-                       os.path.join(out_dir, "bytes.png"), ok, log=True))
+    paths.append(
+        _bars(
+            [r["label"] for r in ok],
+            values,
+            what,
+            f"communication: {title}",
+            os.path.join(out_dir, "bytes.png"),
+            ok,
+            log=True,
+        )
+    )
     plt.close("all")
     return paths
 
@@ -255,13 +306,20 @@ def _quality_plot(ok: list[dict], target: dict, title: str, path: str) -> str:
 
     fig, ax = plt.subplots(figsize=(10, 6))
     if len(ok) > 10:
-        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # type: ignore[attr-defined]  # a ListedColormap
     for r in ok:
         points = [p for p in r["curve"] if p[0] > 0 and _finite(p[2])]  # log time axis: the start is left out
         baseline = r["spec"] == BASELINE
-        (line,) = ax.plot([p[0] for p in points], [p[2] for p in points], marker=".", markersize=4,
-                          linewidth=2.6 if baseline else 1.3, label=r["label"], color="black" if baseline else None,
-                          zorder=3 if baseline else 2)
+        (line,) = ax.plot(
+            [p[0] for p in points],
+            [p[2] for p in points],
+            marker=".",
+            markersize=4,
+            linewidth=2.6 if baseline else 1.3,
+            label=r["label"],
+            color="black" if baseline else None,
+            zorder=3 if baseline else 2,
+        )
         hit = r.get("time_to_target_s")
         if hit:
             q = next(p[2] for p in r["curve"] if p[0] == hit)

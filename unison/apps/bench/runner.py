@@ -115,7 +115,9 @@ class RankGroup:
             f.close()
 
 
-def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network], log_prefix: str, port: int) -> RankGroup:
+def launch(
+    cfg_path: str, world: int, per_node: int, net: Optional[netem.Network], log_prefix: str, port: int
+) -> RankGroup:
     """Start the ranks of one contender."""
     procs, logs, files = [], [], []
     base = {k: v for k, v in os.environ.items() if k not in ("UNISON_NODES", "GLOO_SOCKET_IFNAME")}
@@ -142,14 +144,23 @@ def launch(cfg_path: str, world: int, per_node: int, net: Optional[netem.Network
         log = f"{log_prefix}-rank{rank}.log"
         f = open(log, "w")
         files.append(f)
-        procs.append(subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True))  # no preexec_fn: unsafe in a process with threads
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        )  # no preexec_fn: unsafe in a process with threads
         logs.append(log)
     return RankGroup(procs, logs, files)
 
 
-def wait(group: RankGroup, timeout: float, heartbeat: Optional[str] = None, grace: float = 5.0,
-         first_step_s: float = 180.0, stall_s: float = 60.0) -> Optional[str]:
+def wait(
+    group: RankGroup,
+    timeout: float,
+    heartbeat: Optional[str] = None,
+    grace: float = 5.0,
+    first_step_s: float = 180.0,
+    stall_s: float = 60.0,
+) -> Optional[str]:
     """Wait for every rank; None on success, else why the contender failed (ranks killed).
 
     A contender fails when a rank fails, when it runs past ``timeout``, or when
@@ -171,7 +182,7 @@ def wait(group: RankGroup, timeout: float, heartbeat: Optional[str] = None, grac
             if bad:
                 failed_at = failed_at or time.monotonic()
                 if all(c is not None for c in codes) or time.monotonic() - failed_at > grace:
-                    return _describe_failure(group, bad[0], codes[bad[0]])
+                    return _describe_failure(group, bad[0], codes[bad[0]] or 0)
             now = time.monotonic()
             if now > deadline:
                 return f"timed out after {timeout:.0f} s"
@@ -213,8 +224,9 @@ def contender_timeout(config: BenchConfig, run: dict) -> float:
     return 180.0 + 3 * max(run["time_budget_s"], run.get("time_cap_s") or 0.0)
 
 
-def worker_config(spec: contenders.Spec, config: BenchConfig, run: dict[str, Any], prefix: str,
-                  measure_link: bool) -> WorkerConfig:
+def worker_config(
+    spec: contenders.Spec, config: BenchConfig, run: dict[str, Any], prefix: str, measure_link: bool
+) -> WorkerConfig:
     """What the ranks of one contender read (``run``: ``BenchConfig.resolved()``, the target and whether it
     is the reference); their files are named from ``prefix``."""
     world = config.nodes * config.procs_per_node
@@ -240,8 +252,14 @@ def worker_config(spec: contenders.Spec, config: BenchConfig, run: dict[str, Any
     )
 
 
-def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: dict[str, Any],
-                  net: Optional[netem.Network], log_dir: str) -> dict[str, Any]:
+def run_contender(
+    index: int,
+    spec: contenders.Spec,
+    config: BenchConfig,
+    run: dict[str, Any],
+    net: Optional[netem.Network],
+    log_dir: str,
+) -> dict[str, Any]:
     """Train one contender on fresh ranks; its result, or its failure."""
     entry = {"spec": spec.text, "label": spec.label, "kind": spec.kind}
     reason = contenders.unavailable(spec)
@@ -269,8 +287,12 @@ def run_contender(index: int, spec: contenders.Spec, config: BenchConfig, run: d
     return {**entry, "status": "ok", "wall_time_s": wall, **result}
 
 
-def run_all(config: BenchConfig, specs: list[contenders.Spec], net: Optional[netem.Network],
-            progress: Callable[[int, int, dict], None] = lambda i, n, r: None) -> list[dict]:
+def run_all(
+    config: BenchConfig,
+    specs: list[contenders.Spec],
+    net: Optional[netem.Network],
+    progress: Callable[[int, int, dict], None] = lambda i, n, r: None,
+) -> list[dict]:
     """Run ``specs`` in order; ``progress(i, n, result)`` after each.
 
     Each contender's ranks learn the target when it is known before they start

@@ -234,12 +234,14 @@ class Training:
         self.spec = contenders.parse(cfg.spec)
         self.workload = workloads.load(cfg.workload, cfg.seed, cfg.model)
         self.prepared = contenders.prepare(self.spec, self.workload, cfg.lr, topo)
-        self.loader = unison.sharded_loader(self.workload.train, batch_size=cfg.batch_size, seed=cfg.seed,
-                                            drop_last=True)
+        self.loader = unison.sharded_loader(
+            self.workload.train, batch_size=cfg.batch_size, seed=cfg.seed, drop_last=True
+        )
         self.sampler = cast(unison.ShardSampler, self.loader.sampler)
         if len(self.loader) == 0:
-            raise ValueError(f"the training set has too few samples for batches of {cfg.batch_size} "
-                             f"on {topo.world_size} ranks")
+            raise ValueError(
+                f"the training set has too few samples for batches of {cfg.batch_size} on {topo.world_size} ranks"
+            )
         self.is_main = topo.rank == 0
         self.judge = Judge(cfg)  # used on rank 0 only
         self.clock = Clock()
@@ -309,10 +311,18 @@ class Training:
         samples = steps * self.cfg.batch_size * world
         link = link_bytes / self.topo.num_nodes / max(steps, 1) if self.cfg.measure_link else None
         return WorkerResult(
-            spec=self.spec.text, steps=steps, stopped=stop, train_time_s=train_time,
-            step_ms=1000 * train_time / max(steps, 1), samples_per_s=samples / train_time if train_time > 0 else None,
-            bytes_per_step=sent / max(steps, 1), link_bytes_per_step=link, final_quality=final, curve=curve,
-            params=self.workload.params, extra=self.prepared.info(),
+            spec=self.spec.text,
+            steps=steps,
+            stopped=stop,
+            train_time_s=train_time,
+            step_ms=1000 * train_time / max(steps, 1),
+            samples_per_s=samples / train_time if train_time > 0 else None,
+            bytes_per_step=sent / max(steps, 1),
+            link_bytes_per_step=link,
+            final_quality=final,
+            curve=curve,
+            params=self.workload.params,
+            extra=self.prepared.info(),
         )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,9 @@ def settings_for(name: Optional[str], model_spec: Optional[str] = None) -> Setti
     if model_spec:
         return SETTINGS["custom"]
     if name not in NAMES:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(NAMES)} or give --model package.module:factory")
+        raise ValueError(
+            f"unknown workload {name!r}; choose one of {', '.join(NAMES)} or give --model package.module:factory"
+        )
     return SETTINGS[name]
 
 
@@ -91,6 +93,8 @@ def load(name: Optional[str], seed: int = 0, model_spec: Optional[str] = None) -
     settings = settings_for(name, model_spec)
     if model_spec:
         return _custom(model_spec, seed, settings)
+    if name is None:
+        raise ValueError("name a workload (digits, charlm, mlp) or give a model spec")
     return {"digits": _digits, "charlm": _charlm, "mlp": _mlp}[name](seed, settings)
 
 
@@ -136,8 +140,15 @@ def _digits(seed: int, settings: Settings) -> Workload:
     data = load_data(seed, test_fraction=0.2)
     torch.manual_seed(seed)
     model = _mlp_net([64, 2048, 2048, 10])
-    return Workload("digits", model, data.train, F.cross_entropy, lambda m: _accuracy(m, data.test_x, data.test_y), settings,
-                    {"train_samples": len(data.train), "test_samples": len(data.test_y)})
+    return Workload(
+        "digits",
+        model,
+        data.train,
+        F.cross_entropy,
+        lambda m: _accuracy(m, data.test_x, data.test_y),
+        settings,
+        {"train_samples": len(data.train), "test_samples": len(data.test_y)},
+    )
 
 
 def _charlm(seed: int, settings: Settings, text_bytes: int = 393216, context: int = 64) -> Workload:
@@ -148,8 +159,15 @@ def _charlm(seed: int, settings: Settings, text_bytes: int = 393216, context: in
     train_ids, val_ids = charlm.split(vocab.encode(text))
     train, val = charlm.CharDataset(train_ids, context), charlm.CharDataset(val_ids, context)
     model = charlm.build(seed, len(vocab), context)
-    return Workload("charlm", model, train, charlm.loss_fn, lambda m: charlm.validation_loss(m, val, batches=8), settings,
-                    {"characters": len(text), "vocab": len(vocab), "train_windows": len(train)})
+    return Workload(
+        "charlm",
+        model,
+        train,
+        charlm.loss_fn,
+        lambda m: charlm.validation_loss(m, val, batches=8),
+        settings,
+        {"characters": len(text), "vocab": len(vocab), "train_windows": len(train)},
+    )
 
 
 def _mlp(seed: int, settings: Settings, train_samples: int = 4096, test_samples: int = 1024) -> Workload:
@@ -161,8 +179,15 @@ def _mlp(seed: int, settings: Settings, train_samples: int = 4096, test_samples:
     model = _mlp_net([1024, 3072, 3072, 3072, 10])
     train = TensorDataset(x[:train_samples], y[:train_samples])
     test_x, test_y = x[train_samples:], y[train_samples:]
-    return Workload("mlp", model, train, F.cross_entropy, lambda m: _accuracy(m, test_x, test_y), settings,
-                    {"train_samples": train_samples, "test_samples": test_samples})
+    return Workload(
+        "mlp",
+        model,
+        train,
+        F.cross_entropy,
+        lambda m: _accuracy(m, test_x, test_y),
+        settings,
+        {"train_samples": train_samples, "test_samples": test_samples},
+    )
 
 
 # ---- the user's model -------------------------------------------------------------
@@ -175,7 +200,7 @@ def resolve_factory(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"--model {spec}: cannot import {module_name!r}: {exc}") from exc
-    factory = module
+    factory: Any = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
@@ -189,14 +214,18 @@ def _custom(spec: str, seed: int, settings: Settings) -> Workload:
     torch.manual_seed(seed)
     made = resolve_factory(spec)()
     if not isinstance(made, tuple) or len(made) != 3:
-        raise ValueError(f"--model {spec}: the factory must return (model, dataset, loss_fn), got {type(made).__name__}")
+        raise ValueError(
+            f"--model {spec}: the factory must return (model, dataset, loss_fn), got {type(made).__name__}"
+        )
     model, dataset, loss_fn = made
     if not isinstance(model, nn.Module) or not callable(loss_fn):
         raise ValueError(f"--model {spec}: the factory must return (nn.Module, Dataset, callable loss_fn)")
     n = len(dataset)
     held = min(1024, max(1, n // 10))
     if n - held < 1:
-        raise ValueError(f"--model {spec}: the dataset has {n} samples; at least 2 are needed (one to train, one to evaluate)")
+        raise ValueError(
+            f"--model {spec}: the dataset has {n} samples; at least 2 are needed (one to train, one to evaluate)"
+        )
     train, test = Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
 
     @torch.no_grad()

@@ -159,7 +159,9 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(self.blocks(h)))
 
 
-def build(seed: int, vocab_size: int, context: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2) -> CharTransformer:
+def build(
+    seed: int, vocab_size: int, context: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2
+) -> CharTransformer:
     """A CharTransformer initialized from ``seed``, so every rank builds the same one."""
     torch.manual_seed(seed)
     return CharTransformer(vocab_size, context, d_model, heads, layers)

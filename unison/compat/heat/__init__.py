@@ -25,6 +25,10 @@ def __getattr__(name: str):
         try:
             from mpi4py import MPI
         except ImportError:
-            raise AttributeError("ht.MPI is mpi4py's MPI module, and mpi4py is not installed (pip install mpi4py)") from None
+            raise AttributeError(
+                "ht.MPI is mpi4py's MPI module, and mpi4py is not installed (pip install mpi4py)"
+            ) from None
         return MPI
-    raise AttributeError(f"module 'unison.compat.heat' has no attribute {name!r} (this layer covers HeAT's data-parallel API only)")
+    raise AttributeError(
+        f"module 'unison.compat.heat' has no attribute {name!r} (this layer covers HeAT's data-parallel API only)"
+    )

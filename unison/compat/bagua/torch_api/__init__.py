@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import unison
 
-from . import distributed
 from ..bagua_define import DistributedAlgorithm
+from . import distributed
 from .distributed import DistributedModule, ModelSwitchWrapper, allreduce_parameters, bagua_init, broadcast_parameters
 
 __all__ = [

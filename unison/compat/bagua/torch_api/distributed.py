@@ -26,13 +26,7 @@ from unison.engine.comm import default_broadcast
 
 from ..bagua_define import UNISON_ALGORITHM, DistributedAlgorithm
 
-__all__ = [
-    "DistributedModule",
-    "ModelSwitchWrapper",
-    "allreduce_parameters",
-    "bagua_init",
-    "broadcast_parameters",
-]
+__all__ = ["DistributedModule", "ModelSwitchWrapper", "allreduce_parameters", "bagua_init", "broadcast_parameters"]
 
 MB = 1024 * 1024
 
@@ -63,7 +57,9 @@ def _member(algorithm: Any) -> Union[DistributedAlgorithm, unison.algorithms.Alg
         return algorithm
     if isinstance(algorithm, str):
         return DistributedAlgorithm.from_str(algorithm)
-    raise TypeError(f"distributed_algorithm must be a DistributedAlgorithm or its value, not {type(algorithm).__name__}")
+    raise TypeError(
+        f"distributed_algorithm must be a DistributedAlgorithm or its value, not {type(algorithm).__name__}"
+    )
 
 
 def _autotune_level() -> int:
@@ -182,8 +178,14 @@ class ModelSwitchWrapper(DistributedModule):
         if isinstance(message_size, bool) or not isinstance(message_size, int) or message_size < 1:
             raise ValueError(f"message_size must be a positive number of bytes, got {message_size!r}")
         topo = unison.init()
-        if isinstance(intra_comm_root_rank, bool) or not isinstance(intra_comm_root_rank, int) or not 0 <= intra_comm_root_rank < topo.local_world_size:
-            raise ValueError(f"intra_comm_root_rank must be a local rank, 0 to {topo.local_world_size - 1}, got {intra_comm_root_rank!r}")
+        if (
+            isinstance(intra_comm_root_rank, bool)
+            or not isinstance(intra_comm_root_rank, int)
+            or not 0 <= intra_comm_root_rank < topo.local_world_size
+        ):
+            raise ValueError(
+                f"intra_comm_root_rank must be a local rank, 0 to {topo.local_world_size - 1}, got {intra_comm_root_rank!r}"
+            )
         _check_kwargs(kwargs)
         self.optimizers = optimizers
         self.broadcast_buffers = broadcast_buffers
@@ -202,7 +204,9 @@ class ModelSwitchWrapper(DistributedModule):
         self._tuner: Optional[_AutoTuner] = None
 
     # ---- algorithms -------------------------------------------------------
-    def switch_to(self, distributed_algorithm: Union[DistributedAlgorithm, str] = DistributedAlgorithm.GradientAllReduce) -> "ModelSwitchWrapper":
+    def switch_to(
+        self, distributed_algorithm: Union[DistributedAlgorithm, str] = DistributedAlgorithm.GradientAllReduce
+    ) -> "ModelSwitchWrapper":
         """Distribute the module with ``distributed_algorithm`` (a collective: every rank calls it).
 
         Args:
@@ -239,7 +243,9 @@ class ModelSwitchWrapper(DistributedModule):
             return member
         name, hierarchical_default = UNISON_ALGORITHM[member]
         if name not in unison.algorithms.names():
-            raise NotImplementedError(f"Bagua's {member.name} runs on unison's {name!r} algorithm, which this unison does not have")
+            raise NotImplementedError(
+                f"Bagua's {member.name} runs on unison's {name!r} algorithm, which this unison does not have"
+            )
         defaults = unison.algorithms.get(name).defaults
         options: dict[str, Any] = {}
         hierarchical = hierarchical_default if self.hierarchical_reduce is None else self.hierarchical_reduce
@@ -249,7 +255,10 @@ class ModelSwitchWrapper(DistributedModule):
             gap = f"unison's {name!r} algorithm (Bagua's {member.name}) has no hierarchical mode yet"
             if self.hierarchical_reduce:
                 raise NotImplementedError(f"hierarchical_reduce=True: {gap}; pass hierarchical_reduce=False")
-            warnings.warn(f"{gap}: Bagua's default hierarchical reduction runs flat here (pass hierarchical_reduce=False to say so)", stacklevel=3)
+            warnings.warn(
+                f"{gap}: Bagua's default hierarchical reduction runs flat here (pass hierarchical_reduce=False to say so)",
+                stacklevel=3,
+            )
             hierarchical = False
         if hierarchical and self.intra_comm_root_rank != 0:
             if "intra_comm_root_rank" not in defaults:
@@ -410,7 +419,9 @@ def _check_kwargs(kwargs: dict) -> None:
     unknown = sorted(k for k in kwargs if k not in _KWARG_OPTIONS and k not in options)
     if unknown:
         allowed = ", ".join(sorted(set(_KWARG_OPTIONS) | options))
-        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; the algorithms take {allowed} (hierarchical: use hierarchical_reduce)")
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}; the algorithms take {allowed} (hierarchical: use hierarchical_reduce)"
+        )
 
 
 def broadcast_parameters(module: nn.Module, broadcast_buffers: bool = True) -> None:

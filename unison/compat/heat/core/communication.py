@@ -151,7 +151,9 @@ def _group_of_mpi_comm(comm: Any) -> Optional[dist.ProcessGroup]:
     world = MPI.COMM_WORLD
     if not dist.is_initialized():
         if world.Get_size() > 1:
-            raise RuntimeError("torch.distributed is not initialized but MPI runs several processes; launch with mpirun so unison.init() sees them")
+            raise RuntimeError(
+                "torch.distributed is not initialized but MPI runs several processes; launch with mpirun so unison.init() sees them"
+            )
         return None
     if world.Get_rank() != dist.get_rank() or world.Get_size() != dist.get_world_size():
         raise ValueError(

@@ -18,12 +18,16 @@ from ..optim.dp_optimizer import DASO, DataParallelOptimizer
 
 __all__ = ["DataParallel", "DataParallelMultiGPU"]
 
-Optimizers = Union[DataParallelOptimizer, torch.optim.Optimizer, Sequence[Union[DataParallelOptimizer, torch.optim.Optimizer]]]
+Optimizers = Union[
+    DataParallelOptimizer, torch.optim.Optimizer, Sequence[Union[DataParallelOptimizer, torch.optim.Optimizer]]
+]
 
 
 def _as_dp_optimizers(optimizer: Any) -> list[DataParallelOptimizer]:
     if optimizer is None:
-        raise TypeError("HeAT's DataParallel(module, comm, optimizer) needs its optimizer(s): a ht.optim.DataParallelOptimizer or a list of them")
+        raise TypeError(
+            "HeAT's DataParallel(module, comm, optimizer) needs its optimizer(s): a ht.optim.DataParallelOptimizer or a list of them"
+        )
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not items:
         raise TypeError("DataParallel got an empty list of optimizers")
@@ -34,7 +38,9 @@ def _as_dp_optimizers(optimizer: Any) -> list[DataParallelOptimizer]:
         elif isinstance(o, torch.optim.Optimizer):
             out.append(DataParallelOptimizer(o))
         else:
-            raise TypeError(f"optimizer must be a ht.optim.DataParallelOptimizer (or a torch optimizer), not {type(o).__name__}")
+            raise TypeError(
+                f"optimizer must be a ht.optim.DataParallelOptimizer (or a torch optimizer), not {type(o).__name__}"
+            )
     return out
 
 
@@ -74,9 +80,17 @@ class DataParallel(unison.DataParallel):
         ...     optimizer.step()            # applied during the next forward
     """
 
-    def __init__(self, module: nn.Module, comm: Any = None, optimizer: Optional[Optimizers] = None, blocking_parameter_updates: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Any = None,
+        optimizer: Optional[Optimizers] = None,
+        blocking_parameter_updates: bool = False,
+    ) -> None:
         if not isinstance(blocking_parameter_updates, bool):
-            raise TypeError(f"blocking_parameter_updates must be a bool, not {type(blocking_parameter_updates).__name__}")
+            raise TypeError(
+                f"blocking_parameter_updates must be a bool, not {type(blocking_parameter_updates).__name__}"
+            )
         comm = as_communicator(comm)
         dp_optimizers = _as_dp_optimizers(optimizer)
         unison.init()
@@ -141,10 +155,14 @@ class DataParallelMultiGPU(unison.DataParallel):
         comm = as_communicator(comm)
         topo = unison.init()
         if not comm.is_world:
-            raise ValueError("DataParallelMultiGPU's comm must hold every process (the world): DASO runs on the whole world")
+            raise ValueError(
+                "DataParallelMultiGPU's comm must hold every process (the world): DASO runs on the whole world"
+            )
         if isinstance(optimizer, DASO):
             if not optimizer.comm.is_world:
-                raise ValueError("DASO's comm must hold every process (the world): unison's DASO runs on the whole world")
+                raise ValueError(
+                    "DASO's comm must hold every process (the world): unison's DASO runs on the whole world"
+                )
             if optimizer.module is not None:
                 raise ValueError("this DASO already drives a model; build one DASO per model")
             super().__init__(module, optimizer=optimizer.local_optimizer, algorithm=optimizer.algorithm)

@@ -163,7 +163,9 @@ class DASO:
             raise TypeError(f"Local optimizer must be a torch optimizer object, currently {type(local_optimizer)}")
         known = (MPICommunication, torch.distributed.ProcessGroup)
         if comm is not None and not isinstance(comm, known) and not is_mpi_comm(comm):
-            raise TypeError(f"Comm object must be ht.MPI_WORLD, a torch ProcessGroup or an mpi4py communicator, currently {type(comm)}")
+            raise TypeError(
+                f"Comm object must be ht.MPI_WORLD, a torch ProcessGroup or an mpi4py communicator, currently {type(comm)}"
+            )
         _check_int("total_epochs", total_epochs, 0, strict=True)
         _check_int("warmup_epochs", warmup_epochs, 0)
         _check_int("cooldown_epochs", cooldown_epochs, 0)
@@ -180,7 +182,9 @@ class DASO:
         if not isinstance(downcast_type, torch.dtype):
             raise TypeError(f"downcast_type must be a torch.dtype, currently {downcast_type}")
         if downcast_type not in _DOWNCAST_TYPES:
-            raise ValueError(f"downcast_type must be one of [torch.bfloat16, torch.half, torch.float], currently {downcast_type}")
+            raise ValueError(
+                f"downcast_type must be one of [torch.bfloat16, torch.half, torch.float], currently {downcast_type}"
+            )
         _check_scheduler(scheduler)
 
         self.local_optimizer = local_optimizer
@@ -231,7 +235,9 @@ class DASO:
             return None
         state = self.module.algorithm_state
         if not isinstance(state, DASOState):
-            raise RuntimeError("the model this DASO drives runs DASO no more (closed, or switched to another algorithm)")
+            raise RuntimeError(
+                "the model this DASO drives runs DASO no more (closed, or switched to another algorithm)"
+            )
         return state.schedule
 
     @property
@@ -290,7 +296,9 @@ class DASO:
                 "ht.nn.DataParallelMultiGPU(module, daso), which calls set_model itself"
             )
         if getattr(model.algorithm, "name", None) != "daso":
-            raise ValueError(f"this model runs {model.algorithm.name!r}, not DASO; build it with ht.nn.DataParallelMultiGPU(module, daso)")
+            raise ValueError(
+                f"this model runs {model.algorithm.name!r}, not DASO; build it with ht.nn.DataParallelMultiGPU(module, daso)"
+            )
         self.module = model
         if self.scaler is not None:
             model.add_scaler(self.scaler)
@@ -357,7 +365,9 @@ class DASO:
         model.end_epoch(float(loss), averaged=loss_globally_averaged)
         gs, ls, btw = self.global_skip, self.local_skip, self.batches_to_wait
         phase = "cycling" if gs else ("warm-up" if self.epoch < self.warmup_epochs else "cool-down")
-        self.print0(f"DASO after epoch {self.epoch} ({phase} next): global skips {gs}, local skips {ls}, batches to wait {btw}")
+        self.print0(
+            f"DASO after epoch {self.epoch} ({phase} next): global skips {gs}, local skips {ls}, batches to wait {btw}"
+        )
 
     def _check_last_batch(self) -> None:
         lb, n = self.last_batch, self.current_batch
@@ -387,7 +397,9 @@ def _check_scheduler(scheduler: Any) -> None:
     if scheduler is None:
         return
     if isinstance(scheduler, type):
-        raise TypeError("scheduler must be a scheduler object (torch.optim.lr_scheduler.StepLR(optimizer, ...)), not a class")
+        raise TypeError(
+            "scheduler must be a scheduler object (torch.optim.lr_scheduler.StepLR(optimizer, ...)), not a class"
+        )
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError(
             "ReduceLROnPlateau needs the epoch's loss: call scheduler.step(loss) yourself after "
