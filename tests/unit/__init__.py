@@ -1,0 +1,1 @@
+"""Fast in-process unit tests: no processes, no torch.distributed."""
