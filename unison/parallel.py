@@ -248,8 +248,10 @@ class DataParallel(nn.Module):
         """
         if self._core.dispatcher is None:
             return
-        self._core.stop()
-        self._finalizer()
+        try:
+            self._core.stop()
+        finally:
+            self._finalizer()  # no hook is left behind, even when the algorithm's teardown raised
 
     @property
     def algorithm_state(self) -> Optional[algos.State]:

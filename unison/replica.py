@@ -89,7 +89,7 @@ class Replica:
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.tag = tag
+        self._tag = tag
         self.modules = list(modules)
         self.broadcast_buffers = broadcast_buffers
         self._wiring: Wiring = wiring if wiring is not None else Standalone(optimizers)
@@ -128,7 +128,7 @@ class Replica:
     def private_group(self, tag: str, group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
         """A private copy of ``group`` (default: the replicas' group) for the algorithm's own
         collectives, found again under the same ``tag`` after a switch."""
-        return runtime.private_group(self.group if group is None else group, f"{self.tag}/{tag}")
+        return runtime.private_group(self.group if group is None else group, f"{self._tag}/{tag}")
 
     # ---- the gradient engine's narrow face --------------------------------------
     @property
