@@ -232,3 +232,23 @@ def test_sync_gradients_is_false_without_asking_an_algorithm_that_reduces_none()
     model = net()
     replica = Replica(list(model.named_parameters()), [], [], None, "t", modules=list(model.modules()))
     assert Dispatcher(NoGradients(), replica).sync_gradients() is False
+
+
+class FailsToLeave(Recorder):
+    name = "fails_to_leave"
+
+    def teardown(self, replica: Replica, state: Log) -> None:
+        raise RuntimeError("teardown failed")
+
+
+def test_close_leaves_no_hook_even_when_the_algorithm_teardown_raises():
+    import unison
+
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = unison.DataParallel(net, optimizer=opt, algorithm=FailsToLeave())
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        model.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert not any(m._forward_pre_hooks for m in net.modules())
+    opt.step()  # the optimizer works on its own again (before the fix: "this wrapper is closed")
