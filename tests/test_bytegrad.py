@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from models import MLP, batch
 from scenarios import mse_loss, spread_across_ranks
+from unit.codec_reference import dequantize_minmax, minmax_bytes, quantize_minmax
 
 import unison
 from unison.algorithms.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
 from unison.engine import codecs
-from unison.engine.codecs import MinMax8, dequantize_minmax, minmax_bytes, quantize_minmax
+from unison.engine.codecs import MinMax8
 
 STEPS = 5
 # Largest relative difference allowed between bytegrad's and allreduce's parameter

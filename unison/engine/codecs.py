@@ -9,8 +9,8 @@ input. A constant chunk has scale 0 and decodes exactly. A chunk holding inf
 or NaN decodes to NaN, so overflow checks (AMP's grad scaler) still see it.
 
 ``encode_`` / ``decode_`` are the arithmetic; ``MinMax8`` is the packed layout
-with reusable buffers that the algorithms send; ``quantize_minmax`` /
-``dequantize_minmax`` are the same arithmetic as plain allocating functions.
+with reusable buffers that the algorithms send (tests/unit/codec_reference.py
+holds the same arithmetic as plain allocating functions, for the tests).
 
 ``MinMax8``'s ``encode_from`` / ``decode_into`` / ``sum_encode`` work block by
 block (``BLOCK`` values): every elementwise pass of a block runs in the core's
@@ -274,50 +274,8 @@ class MinMax8:
         return out
 
 
-def quantize_minmax(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` (any shape, read flat as float32) into exactly ``chunks`` equal chunks.
-
-    ``x`` is padded by repeating its last element up to ``chunks * ceil(numel / chunks)``.
-    Returns ``(codes, mins, scales)``: flat uint8 codes of the padded length,
-    and float32 mins and scales of length ``chunks``. Element ``i`` of chunk
-    ``k`` decodes as ``codes[i] * scales[k] + mins[k]``.
-    """
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
-    size = max(1, -(-n // chunks))
-    values = torch.empty(chunks, size, dtype=torch.float32, device=x.device)
-    values.view(-1)[:n].copy_(flat)
-    values.view(-1)[n:].fill_(values.view(-1)[n - 1] if n else 0)
-    mins = torch.empty(chunks, dtype=torch.float32, device=x.device)
-    scales = torch.empty_like(mins)
-    codes = torch.empty(chunks, size, dtype=torch.uint8, device=x.device)
-    encode_(values, mins, scales, codes)
-    return codes.reshape(-1), mins, scales
-
-
-def dequantize_minmax(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    """Decode ``quantize_minmax``'s output: its first ``numel`` values, as float32."""
-    chunks = mins.numel()
-    if scales.numel() != chunks or chunks == 0 or codes.numel() % chunks:
-        raise ValueError(
-            f"{codes.numel()} codes cannot be split into the {chunks} chunks given by mins ({mins.numel()}) and scales ({scales.numel()})"
-        )
-    if numel > codes.numel():
-        raise ValueError(f"asked for {numel} values but only {codes.numel()} codes were given")
-    rows = codes.reshape(chunks, -1)
-    out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-    return decode_(rows, mins.float(), scales.float(), out).reshape(-1)[:numel]
-
-
-def minmax_bytes(numel: int, chunks: int) -> int:
-    """Bytes of ``quantize_minmax(x, chunks)`` for ``numel`` values: codes plus side data."""
-    return max(1, -(-numel // chunks)) * chunks + SIDE_BYTES * chunks
-
-
-#: Cast codecs: the dtypes a tensor may travel in, by option value (DASO's ``downcast_type``,
-#: DiLoCo's ``wire_dtype``).
+#: Cast codecs: the dtypes a tensor may travel in, by the value of a ``wire_dtype`` option
+#: (DiLoCo's, DASO's).
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
