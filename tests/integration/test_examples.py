@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
 
 
 def test_quickstart_under_torchrun(tmp_path):

@@ -16,7 +16,7 @@ from unison.apps import cli
 from unison.apps.bench import contenders, netem, report, runner, workloads
 from unison.apps.bench.worker import Judge, Stop, WorkerConfig, WorkerResult
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: bench_factory.py
 needs_netns = pytest.mark.skipif(
     netem.unavailable_reason() is not None, reason=f"network namespaces unavailable: {netem.unavailable_reason()}"
 )

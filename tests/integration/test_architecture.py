@@ -15,7 +15,7 @@ import unison
 from tests import launch
 from tests.models import MLP, batch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "unison"
 ALGORITHMS = PACKAGE / "algorithms"
 # Lower layers first; a module may import only from its own layer or lower ones.

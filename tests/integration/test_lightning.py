@@ -22,7 +22,7 @@ pytest.importorskip("lightning", reason="the Lightning integration's tests need 
 
 import unison  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "lightning_run.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "lightning_run.py")
 # Deterministic algorithms resumed from a checkpoint by the script (all but async, whose rounds follow the clock).
 RESUMED = ("allreduce", "local_sgd", "diloco", "powersgd", "bytegrad", "daso", "decentralized", "nonblocking")
 # Launch variables a surrounding launcher may have set; the runs set their own.
@@ -44,7 +44,7 @@ def _env(**extra: str) -> dict:
     env = {
         k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))
     }
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [env.get("PYTHONPATH"), root])
     )  # unison from this checkout unless installed

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "exit_after_backward.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "exit_after_backward.py")
 
 
 def test_ranks_exit_cleanly_right_after_backward(tmp_path):

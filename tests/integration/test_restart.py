@@ -9,7 +9,7 @@ import sys
 import launch
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "resume_train.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "resume_train.py")
 TRAIN = ["train", "--epochs", "3", "--checkpoint-every", "10"]  # 23 steps per epoch
 
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "without_numpy.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "without_numpy.py")
 
 
 def test_two_ranks_train_save_and_load_without_numpy(tmp_path):
@@ -22,5 +22,5 @@ def test_two_ranks_train_save_and_load_without_numpy(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-6000:])
     assert sorted(re.findall(r"rank (\d) ok", proc.stdout)) == ["0", "1"]  # the two ranks' lines may interleave

@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 
 def test_heat_layer_under_mpiexec(tmp_path):
-    tests = os.path.dirname(__file__)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path / "out")
     script = tmp_path / "heat_mpi.py"
     script.write_text(SCRIPT.format(tests=tests, out=out))
