@@ -232,18 +232,22 @@ class Core:
         state = self.events.state_dict()
         return {"name": self.algorithm.name, "state": state} if state else None
 
-    def load_algorithm_entry(self, entry: dict[str, Any], strict: bool, what: str, advice: str = "") -> None:
-        """Restore an ``algorithm_entry``; one of another algorithm raises when ``strict`` and is
-        ignored otherwise (``what`` names the wrapper, ``advice`` says what to do: ``{saved}``
-        is the saved algorithm's name)."""
+    def accepts(self, entry: dict[str, Any], strict: bool, what: str, advice: str = "") -> bool:
+        """Whether ``entry`` (an ``algorithm_entry``) was saved by the running algorithm; one of
+        another algorithm raises when ``strict`` (``what`` names the wrapper, ``advice`` says what
+        to do: ``{saved}`` is the saved algorithm's name) and is ignored otherwise."""
         saved = entry["name"]
-        if saved == self.algorithm.name:
-            self.events.load_state_dict(entry["state"])
-        elif strict:
+        if saved != self.algorithm.name and strict:
             raise ValueError(
                 f"the state dict holds the state of algorithm {saved!r} but this {what} runs "
                 f"{self.algorithm.name!r}{advice.format(saved=repr(saved))}"
             )
+        return saved == self.algorithm.name
+
+    def load_algorithm_entry(self, entry: dict[str, Any], strict: bool, what: str, advice: str = "") -> None:
+        """Restore an ``algorithm_entry`` if ``accepts`` it."""
+        if self.accepts(entry, strict, what, advice):
+            self.events.load_state_dict(entry["state"])
 
     @property
     def bytes_total(self) -> int:

@@ -221,11 +221,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load a state dict saved by ``state_dict()`` or by the wrapped optimizer."""
         state = dict(state_dict)
         entry = state.pop(ALGORITHM_KEY, None)
-        if entry is not None and entry["name"] != self.algorithm.name:
-            self._core.load_algorithm_entry(entry, True, "optimizer")  # raises before the optimizer changes
+        ours = entry is not None and self._core.accepts(entry, True, "optimizer")  # before the optimizer changes
         self.optimizer.load_state_dict(state)
-        if entry is not None:
-            self._core.load_algorithm_entry(entry, True, "optimizer")
+        if ours and entry is not None:
+            self._core.events.load_state_dict(entry["state"])
 
 
 def _name_map(named_parameters: Optional[NamedParameters]) -> Optional[dict[int, str]]:

@@ -130,7 +130,6 @@ class DataParallel(nn.Module):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
 
         self.module = module
-        self.algorithm = algos.as_algorithm(algorithm)
         self.broadcast_buffers = broadcast_buffers
         self.negotiate_grads = negotiate_grads
         self.delay_reduce = delay_reduce
@@ -149,7 +148,7 @@ class DataParallel(nn.Module):
 
         named = list(module.named_parameters())
         self._core = Core(
-            self.algorithm,
+            algos.as_algorithm(algorithm),
             named,
             list(module.named_buffers()),
             self.process_group,
@@ -235,7 +234,7 @@ class DataParallel(nn.Module):
             )
         self.average()
         self._core.stop()
-        self.algorithm = self._core.algorithm = new
+        self._core.algorithm = new
         self._start_algorithm()
         return self
 
@@ -252,6 +251,11 @@ class DataParallel(nn.Module):
             self._core.stop()
         finally:
             self._finalizer()  # no hook is left behind, even when the algorithm's teardown raised
+
+    @property
+    def algorithm(self) -> algos.Algorithm[Any]:
+        """The running algorithm's configuration (``switch_to`` changes it)."""
+        return self._core.algorithm
 
     @property
     def algorithm_state(self) -> Optional[algos.State]:
@@ -528,11 +532,12 @@ class DataParallel(nn.Module):
         entry = state.pop(ALGORITHM_KEY, None) or state.pop("module." + ALGORITHM_KEY, None)
         if state and all(k.startswith("module.") for k in state):
             state = {k[len("module.") :]: v for k, v in state.items()}
-        if entry is not None and entry["name"] != self.algorithm.name and strict:
-            self._core.load_algorithm_entry(entry, strict, "model", _SWITCH_FIRST)  # raises, before any weight changes
+        ours = entry is not None and self._core.accepts(
+            entry, strict, "model", _SWITCH_FIRST
+        )  # before any weight changes
         result = self.module.load_state_dict(state, strict=strict, assign=assign)
-        if entry is not None:
-            self._core.load_algorithm_entry(entry, strict, "model", _SWITCH_FIRST)
+        if ours and entry is not None:
+            self._core.events.load_state_dict(entry["state"])
         return result
 
     @property
