@@ -18,7 +18,6 @@ stopped. Saving over the same path each time is safe, which is what makes
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import glob
 import os
 import random
@@ -33,7 +32,7 @@ from torch import nn
 
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
-from .engine.comm import all_gather_objects, broadcast_object, gather_objects
+from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 
@@ -406,8 +405,7 @@ def set_rng_states(state: dict[str, Any]) -> None:
 
 def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
     """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
-    torch_state = rank0_state["torch"].contiguous()
-    seed = (zlib.crc32(ctypes.string_at(torch_state.data_ptr(), torch_state.numel())) * 1_000_003 + rank) % 2**32
+    seed = (zlib.crc32(tensor_bytes(rank0_state["torch"])) * 1_000_003 + rank) % 2**32
     torch.manual_seed(seed)
     random.seed(seed)
     np = sys.modules.get("numpy")

@@ -117,8 +117,15 @@ def _pickled(obj: Any, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor
     return padded, lengths
 
 
+def tensor_bytes(t: torch.Tensor, length: Optional[int] = None) -> bytes:
+    """The first ``length`` bytes (default: all) of the contiguous CPU tensor ``t``, read
+    without NumPy (``t.numpy().tobytes()`` needs it)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size() if length is None else length)
+
+
 def _unpickled(t: torch.Tensor, length: int) -> Any:
-    return pickle.loads(ctypes.string_at(t.data_ptr(), length))
+    return pickle.loads(tensor_bytes(t, length))
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
