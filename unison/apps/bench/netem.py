@@ -216,24 +216,8 @@ class Network:
         parent = ["root"]
         if delay and self.delay_s is not None and self.latency_note is None:
             usec = max(1, round(self.delay_s * 1e6))
-            proc = _run(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "netem",
-                "delay",
-                f"{usec}us",
-                "limit",
-                "100000",
-                check=False,
-            )
+            netem = f"qdisc add dev {dev} root handle 1: netem delay {usec}us limit 100000".split()
+            proc = _run("tc", "-n", ns, *netem, check=False)
             if proc.returncode == 0:
                 parent = ["parent", "1:1"]
             else:
@@ -242,25 +226,8 @@ class Network:
                 )
         if self.rate_bits is not None:
             burst = max(64 * 1024, int(self.rate_bits / 8 * 0.004))  # 4 ms at line rate, at least a GSO segment
-            _run(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                *parent,
-                "handle",
-                "10:",
-                "tbf",
-                "rate",
-                f"{int(self.rate_bits)}bit",
-                "burst",
-                str(burst),
-                "latency",
-                "100ms",
-            )
+            tbf = f"handle 10: tbf rate {int(self.rate_bits)}bit burst {burst} latency 100ms".split()
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, *tbf)
 
     def down(self) -> None:
         """Remove everything this network created (idempotent); processes still inside are killed."""
