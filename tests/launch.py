@@ -7,6 +7,8 @@ starts in well under a second; several checks share one group.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -16,6 +18,14 @@ import torch
 import torch.multiprocessing as mp
 
 from unison.runtime import free_port
+
+
+def torchrun(*args: str, cwd: Any, timeout: float) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 *args`` (torchrun's options, then a script and
+    its arguments), one torch thread per worker, its output captured as text."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # unison.init copes with torchrun's shared store itself
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _worker(

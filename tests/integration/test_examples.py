@@ -6,14 +6,13 @@ import sys
 
 import torch
 
+from tests import launch
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
 
 
 def test_quickstart_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE]
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = launch.torchrun(EXAMPLE, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("epoch") == 3  # rank 0 only
     state = torch.load(tmp_path / "quickstart.pt")

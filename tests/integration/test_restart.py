@@ -103,22 +103,8 @@ def straight_script_run(ckpt: str, out: str) -> None:
 def test_torchrun_restarts_a_script_from_its_checkpoint(tmp_path):
     """torchrun --max-restarts 1 over the README's pattern: rank 1 calls os._exit(1) after step 13,
     torchrun restarts both, they resume from step 10 and end where an unkilled run ends."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        SCRIPT,
-        str(tmp_path / "ckpt.pt"),
-        str(tmp_path / "killed.pt"),
-        "13",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # unison.init copes with torchrun's shared store itself
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    args = [SCRIPT, str(tmp_path / "ckpt.pt"), str(tmp_path / "killed.pt"), "13"]
+    proc = launch.torchrun("--max-restarts", "1", *args, cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: 1" in proc.stderr  # the worker really left, and torchrun restarted the group
     killed = torch.load(tmp_path / "killed.pt", weights_only=True)

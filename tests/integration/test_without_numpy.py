@@ -3,24 +3,13 @@ torch's *_object collectives need NumPy, unison's own do not."""
 
 import os
 import re
-import subprocess
-import sys
+
+from tests import launch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "without_numpy.py")
 
 
 def test_two_ranks_train_save_and_load_without_numpy(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        SCRIPT,
-        str(tmp_path / "c.pt"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    proc = launch.torchrun(SCRIPT, str(tmp_path / "c.pt"), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-6000:])
     assert sorted(re.findall(r"rank (\d) ok", proc.stdout)) == ["0", "1"]  # the two ranks' lines may interleave
