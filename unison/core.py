@@ -127,6 +127,8 @@ class Core:
         self.retired_bytes = 0
         self.retired_passes = 0
         self._optimizer_hooks: list[RemovableHandle] = []
+        # Engines left behind by a membership change: their work may still write into their buffers.
+        self.abandoned: list[GradReducer] = []
 
     # ---- the algorithm ------------------------------------------------------------
     @property
@@ -165,6 +167,30 @@ class Core:
         for handle in self._optimizer_hooks:
             handle.remove()
         self._optimizer_hooks.clear()
+
+    def regroup(self, group: Optional[dist.ProcessGroup]) -> Optional[dict[str, Any]]:
+        """The membership changed: leave the algorithm and its engine without a collective
+        (their pending work is abandoned, kept alive in ``abandoned``) and talk over ``group``.
+
+        Returns the algorithm's state entry when it could still be read, for ``start()``
+        then ``load_algorithm_entry`` to carry it over.
+        """
+        dispatcher, self.dispatcher = self.dispatcher, None
+        entry = None
+        if dispatcher is not None:
+            try:
+                state = dispatcher.state_dict()
+                entry = {"name": self.algorithm.name, "state": state} if state else None
+            except Exception:  # its state waits on the old membership: start afresh
+                entry = None
+            dispatcher.release()
+            self.retired_bytes += dispatcher.bytes_sent
+        self.hooks.remove()
+        if self.reducer is not None:
+            self.abandoned.append(self.reducer)
+        self.remove_reducer()
+        self.replica.regroup(group)
+        return entry
 
     # ---- the gradient engine ----------------------------------------------------------
     def build_reducer(self, group: Optional[dist.ProcessGroup], **options: Any) -> GradReducer:

@@ -27,8 +27,9 @@ from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
 from .engine.comm import AsyncBroadcast, default_broadcast
 from .engine.reducer import GradReducer
+from .fault import FaultTolerance, check_supported
 from .join import STEP, Join, JoinHook, forward_code
-from .runtime import health, private_group
+from .runtime import health, member, private_group
 
 # torch DDP arguments that have no meaning here: accepted, with a warning.
 _IGNORED_DDP_ARGS = (
@@ -47,6 +48,24 @@ _IGNORED_DDP_ARGS = (
 __all__ = ["ALGORITHM_KEY", "DataParallel"]
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
+
+
+def _fault_tolerant_member(
+    fault_tolerant: bool, algorithm: Any, process_group: Optional[dist.ProcessGroup], optimizer: Any
+) -> Optional[member.Member]:
+    """This worker's Member when ``fault_tolerant`` is asked for and can be given; raises otherwise."""
+    if not fault_tolerant:
+        return None
+    worker = member.active()
+    if worker is None:
+        raise RuntimeError(
+            "fault_tolerant=True needs the job started by `unison launch --fault-tolerant --nproc N script.py` "
+            "(or served by `unison coordinator`), and unison.init() called before the model is wrapped"
+        )
+    check_supported(algos.as_algorithm(algorithm), process_group)
+    if optimizer is None:
+        raise ValueError("fault_tolerant=True needs optimizer=: its steps are the ones committed and healed")
+    return worker
 
 
 class DataParallel(nn.Module):
@@ -80,6 +99,11 @@ class DataParallel(nn.Module):
             world size) and raise naming the ranks that differ, instead of
             hanging or mixing data. Costs one 16-byte allreduce per forward.
             Default: the environment variable ``UNISON_DEBUG=1``.
+        fault_tolerant: keep training when a member of the job dies, hangs,
+            joins or leaves (the job must run under ``unison launch
+            --fault-tolerant``; needs ``optimizer``). ``model.ft`` then gives
+            the committed ``step``, the ``members`` and the ``events``; see
+            docs/fault-tolerance.md. Without it, ``model.ft`` is None.
         **ddp_kwargs: torch DDP arguments that do not apply here (device_ids,
             output_device, ...): accepted with a warning naming them.
 
@@ -106,6 +130,7 @@ class DataParallel(nn.Module):
         broadcast_function: Optional[ReduceFn] = None,
         nonfinite: Optional[str] = None,
         debug: Optional[bool] = None,
+        fault_tolerant: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -128,6 +153,7 @@ class DataParallel(nn.Module):
         for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
+        worker = _fault_tolerant_member(fault_tolerant, algorithm, process_group, optimizer)
 
         self.module = module
         self.broadcast_buffers = broadcast_buffers
@@ -161,11 +187,14 @@ class DataParallel(nn.Module):
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
                 self.register_optimizer(opt)
-        if self.process_group is not None:
+        self.ft: Optional[FaultTolerance] = None if worker is None else FaultTolerance(self, worker)
+        if self.process_group is not None and self.ft is None:
             self._construct_collectives(named)
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
         self._start_algorithm()
+        if self.ft is not None:
+            self.ft.start()  # a joiner takes the members' state; at the job's start, rank 0's
 
     # ---- construction helpers ----------------------------------------
     @health.translated("building DataParallel")
@@ -213,7 +242,25 @@ class DataParallel(nn.Module):
             on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
             on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
             defers_completion=self.algorithm.defers_completion,
+            recover=weak(self._recover_gradients) if self.ft is not None else None,
         )
+
+    def _recover_gradients(self, exc: BaseException, reducer: GradReducer) -> bool:
+        return self.ft is not None and self.ft.recover(exc, "grad", dict(reducer.local))
+
+    @property
+    def core(self) -> Core:
+        """The algorithm, its engine and hooks on this model (for fault tolerance and integrations)."""
+        return self._core
+
+    def regrouped(self) -> None:
+        """Fault tolerance built the world again over new members: run the algorithm on it,
+        its state carried over. Not for users to call."""
+        self.process_group, self.world_size, self.rank = membership(None, "DataParallel")
+        entry = self._core.regroup(self.process_group)
+        self._start_algorithm()
+        if entry is not None:
+            self._core.load_algorithm_entry(entry, strict=False, what="model")
 
     @health.translated("switch_to()")
     def switch_to(self, algorithm: Union[str, algos.Algorithm[Any]]) -> "DataParallel":
@@ -298,8 +345,14 @@ class DataParallel(nn.Module):
             self._check_step_agrees()
         self._forwards += 1
         health.advance()
+        if self.ft is not None:
+            self.ft.check()
+        try:
+            self._core.events.before_forward()
+        except Exception as exc:
+            if self.ft is None or not self.ft.recover(exc, "drop"):
+                raise
         events = self._core.events
-        events.before_forward()
         reducer = self._core.reducer
         if reducer is not None and torch.is_grad_enabled():
             reducer.prepare(self._require_sync)
@@ -455,7 +508,18 @@ class DataParallel(nn.Module):
 
     @health.translated("the algorithm's step")
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
-        self._core.after_step(optimizer, shadow)
+        if self.ft is None:
+            self._core.after_step(optimizer, shadow)
+            return
+        if optimizer is self.optimizers[0] and not self.ft.committed():
+            return  # a heal already applied this step
+        try:
+            self._core.after_step(optimizer, shadow)
+        except Exception as exc:
+            if not self.ft.recover(exc, "drop"):
+                raise
+        if optimizer is self.optimizers[-1]:
+            self.ft.at_boundary()  # a join or leave noticed between rounds: regroup now
 
     def end_epoch(self, loss: Optional[float] = None, averaged: bool = False) -> None:
         """Tell the algorithm an epoch ended (schedules such as DASO's use the loss).

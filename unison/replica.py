@@ -94,6 +94,12 @@ class Replica:
         self.broadcast_buffers = broadcast_buffers
         self._wiring: Wiring = wiring if wiring is not None else Standalone(optimizers)
 
+    def regroup(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Talk over ``group`` from now on (fault tolerance built the world again)."""
+        self.group = group
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
     # ---- what is trained ------------------------------------------------------
     @property
     def parameters(self) -> list[nn.Parameter]:

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.command import add_parser as add_bench_parser  # `unison bench`: its options live in unison/bench
 
     add_bench_parser(subparsers)
+    from .launch_cmd import add_parsers as add_launch_parsers  # `unison launch`, `unison coordinator`
+
+    add_launch_parsers(subparsers)
     return parser
 
 

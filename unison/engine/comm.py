@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
+from ..runtime import member
 from .buckets import MB
 
 # The most recent works stay referenced from Python. A work whose last reference
@@ -31,6 +32,13 @@ def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     work = collective(*args, async_op=True, **kwargs)
     _recent_works.append(work)
     return work
+
+
+def wait(work: Any) -> Any:
+    """``work.wait()`` for a Work or Future; under fault tolerance the wait is polled together
+    with the membership (``MembershipChanged`` instead of blocking on a dead or stopped peer)."""
+    current = member.active()
+    return work.wait() if current is None else current.wait(work)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -95,7 +103,7 @@ class AsyncBroadcast:
 
     def finish(self) -> None:
         for chunk, flat, work in self._parts:
-            work.wait()
+            wait(work)
             unflatten_into(flat, chunk)
         self._parts = []
 
@@ -109,7 +117,7 @@ def _pickled(obj: Any, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor
     rank's length (one collective)."""
     data = pickle.dumps(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size(group))]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    wait(start(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64), group=group))
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     if data:
@@ -132,7 +140,7 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any
     """Every rank's ``obj``, in group rank order (two collectives, no NumPy)."""
     padded, lengths = _pickled(obj, group)
     out = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(out, padded, group=group)
+    wait(start(dist.all_gather, out, padded, group=group))
     return [_unpickled(o, n) for o, n in zip(out, lengths)]
 
 
@@ -141,7 +149,7 @@ def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None, dst: int
     padded, lengths = _pickled(obj, group)
     mine = dist.get_rank(group) == dst
     out = [torch.empty_like(padded) for _ in lengths] if mine else None
-    dist.gather(padded, out, dst=src_rank(group, dst), group=group)
+    wait(start(dist.gather, padded, out, dst=src_rank(group, dst), group=group))
     return [_unpickled(o, n) for o, n in zip(out, lengths)] if out is not None else []
 
 
@@ -149,11 +157,11 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: i
     """Group rank ``src``'s ``obj`` on every rank (two collectives, no NumPy)."""
     data = pickle.dumps(obj) if dist.get_rank(group) == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=src_rank(group, src), group=group)
+    wait(start(dist.broadcast, size, src=src_rank(group, src), group=group))
     t = torch.zeros(int(size.item()), dtype=torch.uint8)
     if data:
         t[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(t, src=src_rank(group, src), group=group)
+    wait(start(dist.broadcast, t, src=src_rank(group, src), group=group))
     return _unpickled(t, t.numel())
 
 

@@ -97,6 +97,10 @@ class GradReducer:
             flags are settled (buffer broadcasts).
         defers_completion: leave reductions in flight at the end of backward
             (the algorithm completes them later through ``complete``).
+        recover: ``fn(exc, reducer)`` called when the end of backward raises;
+            True if it recovered (fault tolerance). With it, each pass keeps
+            a copy of this rank's gradients in ``local`` (parameter index ->
+            gradient, before scaling) to redo the round from.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class GradReducer:
         on_begin: Sequence[Callable[[], None]] = (),
         on_end: Sequence[Callable[[], None]] = (),
         defers_completion: bool = False,
+        recover: Optional[Callable[[BaseException, "GradReducer"], bool]] = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -131,6 +136,8 @@ class GradReducer:
         self.on_begin = list(on_begin)
         self.on_end = list(on_end)
         self.defers_completion = defers_completion
+        self.recover = recover
+        self.local: dict[int, torch.Tensor] = {}
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # Hooks users add (DataParallel.register_comm_hook).
         self.comm_hook: Optional[tuple[Any, Callable]] = None
@@ -299,6 +306,7 @@ class GradReducer:
         self._handles: list[tuple[bucketing.Bucket, Any]] = []
         self._arrival: Optional[list[int]] = [] if self._replan_pending else None
         self._bytes = 0
+        self.local = {}
         for fn in self.on_begin:
             fn()
         if queue:
@@ -337,6 +345,8 @@ class GradReducer:
         if grad is None:
             view.zero_()
             return False
+        if self.recover is not None:
+            self.local[i] = grad.detach().clone()
         if grad.data_ptr() != view.data_ptr():
             if grad.is_sparse:
                 raise RuntimeError(
@@ -377,6 +387,9 @@ class GradReducer:
     def _finalize(self) -> None:
         try:
             self._finish_backward()
+        except Exception as exc:
+            if self.recover is None or not self.recover(exc, self):
+                raise
         finally:
             self._in_pass = self._active = False
 
@@ -438,7 +451,7 @@ class GradReducer:
             if entry is None:
                 continue
             bucket, handle = entry
-            result = handle.wait() if handle is not None else None
+            result = comm.wait(handle) if handle is not None else None
             if isinstance(result, (list, tuple)) and result:
                 result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
@@ -466,7 +479,7 @@ class GradReducer:
         if self._flags is not None:
             flags, work = self._flags
             if work is not None:
-                work.wait()
+                comm.wait(work)
             used_anywhere = flags.tolist()
             if self.nonfinite is not None:
                 code = used_anywhere.pop()
@@ -497,7 +510,7 @@ class GradReducer:
         order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
         if self.group is not None:
-            dist.broadcast(t, src=src_rank(self.group), group=self.group)
+            comm.wait(start(dist.broadcast, t, src=src_rank(self.group), group=self.group))
         groups = bucketing.plan(self.params, t.tolist(), self.cap, self.first_cap)
         if groups != [b.indices for b in self.buckets]:
             self._set_buckets(groups)

@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from . import health
+from . import health, member
 
 DEFAULT_PORT = 29500
 
@@ -262,6 +262,18 @@ def init(
         timeout = DEFAULT_TIMEOUT
     _timeout = timeout
 
+    if member.launched() and not dist.is_initialized():  # under `unison launch --fault-tolerant`
+        m = member.connect()
+        _topology = Topology(
+            rank=m.rank,
+            world_size=m.world_size,
+            local_rank=0,
+            local_world_size=1,
+            launcher="unison-ft",
+            backend="gloo",
+            world_group=dist.group.WORLD,
+        )
+        return _topology
     info = detect_launch()
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,95 @@
+"""A fault-tolerant job whose every step is checkable: the exactly-once ledger.
+
+Run under `unison launch --fault-tolerant`. At step s every rank's gradient is
+the one-hot vector e_s and SGD has lr 1, so after T steps the weights are
+exactly -1 in each of the first T places if every step was applied once (a
+doubled step shows -2, a lost one 0). Faults are injected by the victim itself:
+`--kill ID@STEP[:after]` SIGKILLs worker ID at that step (before its reduction,
+or after its optimizer step), `--stop ID@STEP` SIGSTOPs it, `--leave ID@STEP`
+leaves gracefully after that step. Each worker writes OUT/<id>.json.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import unison
+
+
+class Ledger(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def at(text):
+    if text is None:
+        return None
+    who, _, rest = text.partition("@")
+    step, _, when = rest.partition(":")
+    return int(who), int(step), when or "before"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--algorithm", default="allreduce")
+    p.add_argument("--sleep", type=float, default=0.02)
+    p.add_argument("--kill", action="append", default=[])
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--leave", default=None)
+    args = p.parse_args()
+    unison.init()
+    torch.manual_seed(0)
+    net = Ledger(args.steps)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True)
+    me = model.ft.worker_id
+    kills = [at(k) for k in args.kill]
+    stops = [at(k) for k in args.stop]
+    leave = at(args.leave)
+    first_step = model.ft.step
+    while model.ft.step < args.steps:
+        s = model.ft.step
+        for who, step, when in kills:
+            if who == me and step == s and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+        for who, step, _ in stops:
+            if who == me and step == s:
+                os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(args.sleep)
+        opt.zero_grad()
+        x = torch.zeros(args.steps)
+        x[s] = 1.0
+        model(x).backward()
+        opt.step()
+        for who, step, when in kills:
+            if who == me and step == s and when == "after":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if leave is not None and leave[0] == me and leave[1] == s:
+            model.ft.leave()
+            break
+    result = {
+        "id": me,
+        "w": net.w.detach().tolist(),
+        "step": model.ft.step,
+        "first_step": first_step,
+        "world": model.ft.world_size,
+        "members": model.ft.members,
+        "events": [[e.time, e.kind, e.detail] for e in model.ft.events],
+    }
+    with open(os.path.join(args.out, f"{me}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

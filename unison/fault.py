@@ -1,0 +1,281 @@
+"""Fault tolerance inside the job: ``DataParallel(..., fault_tolerant=True)`` and its ``model.ft``.
+
+When a member dies, stops answering, joins or leaves, every wait on a
+collective of the old membership raises (``MembershipChanged``, or gloo's own
+error when a peer's connection closes). The wrapper then calls ``recover``:
+
+1. regroup: the default process group is built again over the new members and
+   the algorithm is started again on it (its state carried over);
+2. settle: the members tell each other their committed step and what they were
+   doing (one small all-gather). The lowest rank among those furthest ahead is
+   the source: every member behind it, and every joiner, receives its weights,
+   buffers, optimizer state, algorithm state, step and attached state;
+3. redo or drop: if members were in a gradient round that every replica must
+   share, it is done again on the new quorum from each one's saved local
+   gradient (members without one contribute nothing and apply the result);
+   a round that only pulls drifting replicas together is dropped.
+
+So every committed step is applied exactly once on every member. See
+docs/fault-tolerance.md for the protocol, its guarantees and its limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+import zlib
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .core import Core
+from .engine.comm import all_gather_objects, broadcast_object
+from .runtime import forget_private_groups, health
+from .runtime.member import Member, MembershipChanged
+
+#: Algorithms that run with ``fault_tolerant=True`` (the others are refused at construction).
+SUPPORTED = ("allreduce", "fp16", "bf16", "bytegrad", "local_sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One thing that happened to the job: ``kind`` is failure, regroup, redo, drop, heal_send or heal_recv."""
+
+    time: float
+    kind: str
+    detail: str
+
+
+class Guarded(Protocol):
+    """What fault tolerance needs of the wrapper it guards (DataParallel)."""
+
+    module: nn.Module
+
+    @property
+    def core(self) -> Core: ...
+
+    def regrouped(self) -> None:
+        """The default process group was built again: start the algorithm on it."""
+
+
+def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) -> None:
+    """Refuse, at construction, what fault tolerance cannot guard."""
+    if process_group is not None:
+        raise ValueError(
+            "fault_tolerant=True trains over the whole job (its membership changes): leave process_group unset"
+        )
+    if algorithm.name not in SUPPORTED:
+        raise ValueError(
+            f"fault_tolerant=True does not support algorithm {algorithm.name!r} yet; it supports "
+            f"{', '.join(SUPPORTED)} (docs/fault-tolerance.md says why)"
+        )
+    if getattr(algorithm, "hierarchical", False):
+        raise ValueError(
+            "fault_tolerant=True cannot run a hierarchical algorithm: its failure domain is a node, "
+            "and a membership is a set of processes; use the flat variant"
+        )
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` means a membership change (and not a bug, nor the job's end)."""
+    return isinstance(exc, MembershipChanged) or health.is_comm_failure(exc)
+
+
+def _cpu(obj: Any) -> Any:
+    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, obj)
+
+
+class FaultTolerance:
+    """``model.ft``: the job's membership as this worker sees it, and the recovery.
+
+    Attributes:
+        step: committed training steps, the same on every member (healed into joiners).
+        events: what happened, as ``Event(time, kind, detail)``.
+
+    Example::
+
+        model = unison.DataParallel(net, optimizer=opt, fault_tolerant=True)
+        model.ft.attach(scheduler=sched)          # healed into a joiner too
+        while model.ft.step < total:
+            x, y = next(batches)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    """
+
+    def __init__(self, model: Guarded, member: Member) -> None:
+        self._model = weakref.ref(model)
+        self._member = member
+        self.step = 0
+        self.events: list[Event] = []
+        self._attached: dict[str, Any] = {}
+        self._recovering = False
+        self._swallow = False  # the pending backward was settled by a heal: its optimizer step does nothing
+
+    # ---- what users read -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """How many members train now."""
+        return self._member.world_size
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current membership (oldest member: 0)."""
+        return self._member.rank
+
+    @property
+    def members(self) -> list[int]:
+        """The members' worker ids, oldest first."""
+        return list(self._member.members)
+
+    @property
+    def worker_id(self) -> int:
+        """This worker's id in the job (it never changes; a replacement gets a new one)."""
+        return self._member.id
+
+    def attach(self, **objects: Any) -> None:
+        """Heal these objects (anything with ``state_dict``/``load_state_dict``: an LR scheduler,
+        a sampler, a counter of yours) into joiners together with the model."""
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"attach({name}=...) needs an object with state_dict() and load_state_dict()")
+            self._attached[name] = obj
+
+    def leave(self) -> None:
+        """Leave the job gracefully after this step: the others go on without this worker."""
+        self._member.leave()
+
+    def check(self) -> None:
+        """Raise RankFailure if the job cannot go on (coordinator gone, too few members)."""
+        self._member.check()
+
+    def note(self, kind: str, detail: str) -> None:
+        self.events.append(Event(time.time(), kind, detail))
+
+    # ---- steps ----------------------------------------------------------------------------
+    def committed(self) -> bool:
+        """An optimizer step of the first optimizer ended; False if it was settled by a heal."""
+        if self._swallow:
+            self._swallow = False
+            return False
+        self.step += 1
+        return True
+
+    def at_boundary(self) -> None:
+        """Between two steps: if the membership changed, regroup now (a lone member, or one whose
+        algorithm has no collective for a while, would otherwise never notice a joiner)."""
+        if not self._recovering and self._member.changed():
+            self._settled("idle", None, regroup=True)
+
+    # ---- recovery -------------------------------------------------------------------------
+    def start(self) -> None:
+        """The first agreement: a fresh worker takes the members' state (everyone, at the start of the job)."""
+        self._settled("join", None)
+
+    def recover(self, exc: BaseException, kind: str, local: Optional[dict[int, torch.Tensor]] = None) -> bool:
+        """Recover from ``exc`` raised in a round of ``kind`` ("grad" or "drop"); False if it is no failure.
+
+        ``local``: this member's saved gradients of the interrupted gradient round.
+        """
+        if self._recovering or not is_failure(exc):
+            return False
+        self.note("failure", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        self._settled(kind, local, regroup=True)
+        return True
+
+    def _settled(self, kind: str, local: Optional[dict[int, torch.Tensor]], regroup: bool = False) -> None:
+        self._recovering = True
+        try:
+            while True:
+                try:
+                    if regroup:
+                        doc = self._member.regroup()
+                        forget_private_groups()
+                        self.note("regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})")
+                        self._guarded().regrouped()
+                    self._settle(kind, local)
+                    return
+                except Exception as again:
+                    if not is_failure(again):
+                        raise
+                    self.note("failure", str(again).splitlines()[0][:200])
+                    regroup = True
+        finally:
+            self._recovering = False
+
+    def _guarded(self) -> Guarded:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the fault-tolerant model is gone")
+        return model
+
+    def _settle(self, kind: str, local: Optional[dict[int, torch.Tensor]]) -> None:
+        model, group = self._guarded(), dist.group.WORLD
+        statuses = all_gather_objects((self.step, kind), group)
+        running = [s for s, k in statuses if k != "join"]
+        top = max(running) if running else max(s for s, _ in statuses)
+        source = next(r for r, (s, k) in enumerate(statuses) if s == top and (k != "join" or not running))
+        behind = [r for r, (s, k) in enumerate(statuses) if r != source and (s < top or k == "join")]
+        rank = dist.get_rank(group)
+        started = time.time()
+        payload = self._payload(full=bool(behind)) if rank == source else None
+        payload = broadcast_object(payload, group, src=source)
+        if rank in behind:
+            self._load(payload)
+            self.note("heal_recv", f"from rank {source} at step {top} in {time.time() - started:.3f} s")
+        elif rank == source and behind:
+            self.note("heal_send", f"to rank(s) {behind} at step {top}")
+        contributors = [r for r, (s, k) in enumerate(statuses) if k == "grad" and s == top]
+        if contributors:
+            self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")
+            self.note("redo", f"gradient round of step {self.step} on {len(contributors)} contributor(s)")
+        elif kind == "drop":
+            self.note("drop", f"an averaging round after step {self.step}")
+
+    def _payload(self, full: bool) -> dict[str, Any]:
+        model = self._guarded()
+        out: dict[str, Any] = {"step": self.step}
+        if full:
+            out["module"] = _cpu(model.module.state_dict())
+            out["optimizers"] = [_cpu(opt.state_dict()) for opt in model.core.optimizers]
+            out["algorithm"] = _cpu(model.core.algorithm_entry())
+            out["attached"] = {name: _cpu(obj.state_dict()) for name, obj in self._attached.items()}
+        return out
+
+    def _load(self, payload: dict[str, Any]) -> None:
+        """Become the source: everything shared, and a fresh per-worker RNG seed."""
+        model = self._guarded()
+        self.step = payload["step"]
+        model.module.load_state_dict(payload["module"])
+        for opt, state in zip(model.core.optimizers, payload["optimizers"]):
+            opt.load_state_dict(state)
+        if payload["algorithm"] is not None:
+            model.core.load_algorithm_entry(payload["algorithm"], strict=False, what="model")
+        for name, state in payload["attached"].items():
+            if name in self._attached:
+                self._attached[name].load_state_dict(state)
+        torch.manual_seed(zlib.crc32(f"{self.step}/{self._member.id}".encode()))
+
+    def _redo(self, model: Guarded, local: Optional[dict[int, torch.Tensor]], contributors: int, swallow: bool) -> None:
+        """The interrupted gradient round again, on this quorum; a member without a saved
+        gradient contributes nothing and applies the result itself."""
+        reducer = model.core.reducer
+        params = [p for _, p in model.core.replica.trainable]
+        for i, p in enumerate(params):
+            p.grad = None if local is None or i not in local else local[i].clone()
+        if reducer is not None:
+            reducer.set_divisor(contributors)
+            try:
+                reducer.shadow_pass(True)
+            finally:
+                reducer.set_divisor(None)
+        if local is None:
+            for opt in model.core.optimizers:
+                opt.step()
+            for p in params:
+                p.grad = None
+            self._swallow = swallow

@@ -1,0 +1,228 @@
+"""This worker's side of a fault-tolerant job: heartbeats, memberships, regrouping, polled waits.
+
+A worker started by ``unison launch --fault-tolerant`` (or served by ``unison
+coordinator``) finds the coordinator's store in ``UNISON_FT_ADDR`` and
+``UNISON_FT_PORT``. A daemon thread bumps its heartbeat and reads the newest
+membership epoch. Every wait on a collective goes through ``Member.wait``,
+which polls the work together with that epoch: when membership changes, the
+wait raises ``MembershipChanged`` instead of blocking on a dead or stopped
+peer. ``regroup`` then builds torch.distributed's default group again over
+the new members; the abandoned groups and works are kept alive, never reused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .health import RankFailure
+
+#: Seconds between two looks at the epoch; the heartbeat is bumped every HEARTBEAT_S.
+POLL_S = 0.02
+HEARTBEAT_S = 0.2
+#: A wait looks at the epoch at least this often (seconds).
+WAIT_SLICE = datetime.timedelta(milliseconds=20)
+#: Seconds a regroup waits for the coordinator to publish a membership that includes this worker.
+REGROUP_TIMEOUT_S = 60.0
+#: The backstop timeout of the groups built per membership (polled waits never reach it).
+GROUP_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("UNISON_FT_TIMEOUT", "60")))
+
+
+class MembershipChanged(RuntimeError):
+    """The job's membership changed while this worker waited on a collective of the old one."""
+
+
+class Member:
+    """This worker in the coordinator's memberships.
+
+    Args:
+        addr, port: where the coordinator's store listens.
+        worker_id: this worker's id (the launcher sets ``UNISON_FT_ID``; None: take a fresh one).
+    """
+
+    def __init__(self, addr: str, port: int, worker_id: Optional[int] = None) -> None:
+        timeout = datetime.timedelta(seconds=30)
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        self._watch_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        self.id = int(self.store.add("ft/next_id", 1)) - 1 if worker_id is None else worker_id
+        self.epoch = 0  # the membership this worker's groups belong to
+        self.latest = 0  # the newest membership the coordinator published
+        self.members: list[int] = []
+        self.joiners: list[int] = []
+        self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
+        self.graveyard: list[Any] = []  # abandoned groups and works: never freed while they may run
+        self._stop = threading.Event()
+        self.store.set(f"ft/join/{self.id}", str(os.getpid()))
+        self._thread = threading.Thread(target=self._watch, name="unison-ft-member", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # ---- the watcher thread ---------------------------------------------------------
+    def _watch(self) -> None:
+        beats_every = max(1, round(HEARTBEAT_S / POLL_S))
+        n = 0
+        while not self._stop.is_set():
+            try:
+                if n % beats_every == 0:
+                    self._watch_store.add(f"ft/hb/{self.id}", 1)
+                if self._watch_store.check(["ft/epoch"]):
+                    self.latest = int(self._watch_store.get("ft/epoch"))
+                if self._watch_store.check(["ft/abort"]):
+                    self.lost = f"the coordinator ended the job: {self._watch_store.get('ft/abort').decode()}"
+            except Exception as exc:  # the coordinator's store is gone
+                if not self._stop.is_set():
+                    self.lost = f"the coordinator cannot be reached (it died or its machine went down) [{exc}]"
+                return
+            n += 1
+            self._stop.wait(POLL_S)
+
+    # ---- asking -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise RankFailure if the job cannot go on."""
+        if self.lost is not None:
+            raise RankFailure(
+                f"worker {self.id}: {self.lost}. Restart the job; it resumes from the last unison.save checkpoint.",
+                [],
+            )
+
+    def changed(self) -> bool:
+        """Whether a newer membership than this worker's groups' has been published."""
+        self.check()
+        return self.latest != self.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.id)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def wait(self, work: Any) -> Any:
+        """``work.wait()`` (a Work or a Future), raising MembershipChanged as soon as membership changes."""
+        if isinstance(work, torch.futures.Future):
+            while not work.done():
+                if self.changed():
+                    self.graveyard.append(work)
+                    raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
+                time.sleep(0.0005)
+            return work.wait()
+        while True:
+            try:
+                return work.wait(timeout=WAIT_SLICE)
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # the collective itself failed (a peer died)
+            if self.changed():
+                self.graveyard.append(work)
+                raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
+
+    # ---- memberships -------------------------------------------------------------------
+    def _read(self, epoch: int) -> dict[str, Any]:
+        return json.loads(self.store.get(f"ft/members/{epoch}"))
+
+    def _newest_with_me(self, deadline: float) -> tuple[int, dict[str, Any]]:
+        """The newest membership, once it is newer than ours; RankFailure if it leaves this worker out."""
+        while True:
+            self.check()
+            if self.latest != self.epoch and self.latest > 0:
+                epoch = self.latest
+                doc = self._read(epoch)
+                if self.id not in doc["members"]:
+                    raise RankFailure(
+                        f"worker {self.id} was evicted from the job (membership {epoch}: {doc['reason']}); "
+                        "it stopped answering for too long and the others went on without it",
+                        [],
+                    )
+                return epoch, doc
+            if time.time() > deadline:
+                raise RankFailure(
+                    f"worker {self.id}: a collective failed and no new membership came within "
+                    f"{REGROUP_TIMEOUT_S:.0f} s (is the coordinator alive?)",
+                    [],
+                )
+            time.sleep(POLL_S / 4)
+
+    def regroup(self) -> dict[str, Any]:
+        """Move to the newest membership: build the default process group over its members.
+
+        Returns the membership (``members``, ``joiners``, ``reason``). Groups of
+        earlier memberships are abandoned, not destroyed while work may run on them.
+        """
+        deadline = time.time() + REGROUP_TIMEOUT_S
+        while True:
+            epoch, doc = self._newest_with_me(deadline)
+            self.store.set(f"ft/pg/{epoch}/ready/{self.id}", "1")
+            keys = [f"ft/pg/{epoch}/ready/{m}" for m in doc["members"]]
+            while not self.store.check(keys) and self.latest == epoch and time.time() < deadline:
+                self.check()
+                time.sleep(POLL_S / 4)
+            if self.latest != epoch:
+                continue  # membership moved on while we gathered
+            self._abandon()
+            rank = doc["members"].index(self.id)
+            store = dist.PrefixStore(f"ft/pg/{epoch}/", self.store)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=len(doc["members"]), timeout=GROUP_TIMEOUT
+            )
+            self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
+            return doc
+
+    def _abandon(self) -> None:
+        """Forget the current groups without destroying them (their work may still be running);
+        the caller forgets unison's private groups of them (``runtime.forget_private_groups``)."""
+        if dist.is_initialized():
+            self.graveyard.extend(dist.distributed_c10d._world.pg_map.keys())
+            dist.destroy_process_group()
+
+    def leave(self) -> None:
+        """Leave the job gracefully: the others regroup without this worker."""
+        self.store.set(f"ft/leave/{self.id}", "1")
+        self.close(finished=False)
+
+    def close(self, finished: bool = True) -> None:
+        """Stop the watcher; ``finished``: tell the coordinator this worker ended normally."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if finished and self.lost is None:
+            try:
+                self.store.set(f"ft/done/{self.id}", "1")
+            except Exception:  # the coordinator is gone: nothing to tell
+                pass
+
+
+_member: Optional[Member] = None
+
+
+def active() -> Optional[Member]:
+    """This process's Member when it runs under a fault-tolerant launcher, else None."""
+    return _member
+
+
+def connect() -> Member:
+    """Join the coordinator named by the environment and wait for the first membership with this worker."""
+    global _member
+    if _member is None:
+        wid = os.environ.get("UNISON_FT_ID")
+        member = Member(
+            os.environ.get("UNISON_FT_ADDR", "127.0.0.1"),
+            int(os.environ["UNISON_FT_PORT"]),
+            None if wid is None else int(wid),
+        )
+        member.regroup()
+        _member = member
+    return _member
+
+
+def launched() -> bool:
+    """Whether this process was started by a fault-tolerant launcher (or told of a coordinator)."""
+    return "UNISON_FT_PORT" in os.environ
