@@ -150,8 +150,9 @@ class FaultTolerance:
         self._member.leave()
 
     def check(self) -> None:
-        """Raise RankFailure if the job cannot go on (coordinator gone, too few members)."""
-        self._member.check()
+        """Before a forward: raise RankFailure if the job cannot go on (coordinator gone, too few
+        members); regroup first if this worker was stopped and the others moved on."""
+        self.at_boundary()
 
     def note(self, kind: str, detail: str) -> None:
         self.events.append(Event(time.time(), kind, detail))
@@ -232,7 +233,7 @@ class FaultTolerance:
         contributors = [r for r, (s, k) in enumerate(statuses) if k == "grad" and s == top]
         if contributors:
             self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")
-            self.note("redo", f"gradient round of step {self.step} on {len(contributors)} contributor(s)")
+            self.note("redo", f"gradient round of step {top + 1} on {len(contributors)} contributor(s)")
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
 

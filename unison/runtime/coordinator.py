@@ -112,7 +112,7 @@ class Coordinator:
     def _look(self, now: float) -> list[str]:
         """Update each worker's state; return what changed the membership."""
         reasons = []
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
             if w.state in ("finished", "dead", "evicted", "left"):
                 continue
             done = self.store.check([f"ft/done/{w.id}"])
@@ -174,6 +174,8 @@ class Coordinator:
         if waiting:
             reasons.append(f"worker(s) {waiting} joined")
         finished = any(w.state == "finished" for w in self.workers.values())
+        if finished and waiting:
+            self.store.set("ft/over", "1")  # the job is ending: a late joiner has nothing to join
         if (reasons or waiting) and (alive or waiting) and not finished:
             self._publish(alive + waiting, waiting, "; ".join(reasons))
         self._check_quorum(now, alive + waiting if not finished else alive)

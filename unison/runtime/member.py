@@ -13,6 +13,7 @@ the new members; the abandoned groups and works are kept alive, never reused.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import json
 import os
@@ -58,7 +59,8 @@ class Member:
         self.members: list[int] = []
         self.joiners: list[int] = []
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
-        self.graveyard: list[Any] = []  # abandoned groups and works: never freed while they may run
+        self.graveyard: list[Any] = []  # abandoned groups and works (see _bury)
+        self._polled = time.monotonic()  # when the watcher last read the epoch
         self._stop = threading.Event()
         self.store.set(f"ft/join/{self.id}", str(os.getpid()))
         self._thread = threading.Thread(target=self._watch, name="unison-ft-member", daemon=True)
@@ -81,6 +83,7 @@ class Member:
                 if not self._stop.is_set():
                     self.lost = f"the coordinator cannot be reached (it died or its machine went down) [{exc}]"
                 return
+            self._polled = time.monotonic()
             n += 1
             self._stop.wait(POLL_S)
 
@@ -94,8 +97,14 @@ class Member:
             )
 
     def changed(self) -> bool:
-        """Whether a newer membership than this worker's groups' has been published."""
+        """Whether a newer membership than this worker's groups' has been published.
+
+        When the watcher has not looked for a while (this process was stopped, or starved),
+        the epoch is read now: a worker resuming after its eviction must not go on as a member.
+        """
         self.check()
+        if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
+            self.latest = int(self.store.get("ft/epoch"))
         return self.latest != self.epoch
 
     @property
@@ -111,18 +120,21 @@ class Member:
         if isinstance(work, torch.futures.Future):
             while not work.done():
                 if self.changed():
-                    self.graveyard.append(work)
+                    self._bury(work)
                     raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
                 time.sleep(0.0005)
             return work.wait()
         while True:
             try:
-                return work.wait(timeout=WAIT_SLICE)
-            except RuntimeError:
-                if work.is_completed():
+                result = work.wait(timeout=WAIT_SLICE)
+                if time.monotonic() - self._polled > 10 * POLL_S and self.changed():
+                    raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped")
+                return result
+            except RuntimeError as exc:
+                if isinstance(exc, MembershipChanged) or work.is_completed():
                     raise  # the collective itself failed (a peer died)
             if self.changed():
-                self.graveyard.append(work)
+                self._bury(work)
                 raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
 
     # ---- memberships -------------------------------------------------------------------
@@ -130,23 +142,29 @@ class Member:
         return json.loads(self.store.get(f"ft/members/{epoch}"))
 
     def _newest_with_me(self, deadline: float) -> tuple[int, dict[str, Any]]:
-        """The newest membership, once it is newer than ours; RankFailure if it leaves this worker out."""
+        """The newest membership, once it is newer than ours and holds this worker; RankFailure if
+        this worker was a member and is left out (evicted), or the job ended before it was admitted."""
+        seen = self.epoch
         while True:
             self.check()
-            if self.latest != self.epoch and self.latest > 0:
+            if self.latest > 0 and self.latest != seen:
                 epoch = self.latest
                 doc = self._read(epoch)
-                if self.id not in doc["members"]:
+                if self.id in doc["members"]:
+                    return epoch, doc
+                if self.epoch > 0:
                     raise RankFailure(
                         f"worker {self.id} was evicted from the job (membership {epoch}: {doc['reason']}); "
                         "it stopped answering for too long and the others went on without it",
                         [],
                     )
-                return epoch, doc
+                seen = epoch  # a joiner not admitted yet
+            if self.epoch == 0 and self.store.check(["ft/over"]):
+                raise RankFailure(f"worker {self.id}: the job finished before this worker could join it", [])
             if time.time() > deadline:
                 raise RankFailure(
-                    f"worker {self.id}: a collective failed and no new membership came within "
-                    f"{REGROUP_TIMEOUT_S:.0f} s (is the coordinator alive?)",
+                    f"worker {self.id}: no membership with this worker came within {REGROUP_TIMEOUT_S:.0f} s "
+                    "(is the coordinator alive?)",
                     [],
                 )
             time.sleep(POLL_S / 4)
@@ -180,8 +198,16 @@ class Member:
         """Forget the current groups without destroying them (their work may still be running);
         the caller forgets unison's private groups of them (``runtime.forget_private_groups``)."""
         if dist.is_initialized():
-            self.graveyard.extend(dist.distributed_c10d._world.pg_map.keys())
+            for group in list(dist.distributed_c10d._world.pg_map.keys()):
+                self._bury(group)
             dist.destroy_process_group()
+
+    def _bury(self, obj: Any) -> None:
+        """Keep ``obj`` (a group or a work of an old membership) alive for good: a gloo group's
+        destructor joins its threads, which wait out the group timeout on a stopped peer, and
+        would hold up this process's exit. The memory goes with the process."""
+        self.graveyard.append(obj)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
     def leave(self) -> None:
         """Leave the job gracefully: the others regroup without this worker."""
