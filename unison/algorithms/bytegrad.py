@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..engine import comm
 from ..engine.buckets import Bucket
 from ..engine.codecs import MinMax8
 from ..engine.comm import CommThread, Waitable
@@ -83,13 +84,13 @@ class Exchange:
         for k in range(count):
             if k + 1 < count:
                 send(k + 1)
-            sent[k].wait()
+            comm.wait(sent[k])
             parts[k].sum_encode(bufs[k][1], bufs[k][2])
             gathered[k] = _all_gather(bufs[k][1].view(-1), bufs[k][2].view(-1), group=group, async_op=True)
             if k > 0:
-                gathered[k - 1].wait()
+                comm.wait(gathered[k - 1])
                 parts[k - 1].decode_into(bufs[k - 1][1], flat)
-        gathered[-1].wait()
+        comm.wait(gathered[-1])
         return parts[-1].decode_into(bufs[-1][1], flat)
 
 

@@ -17,6 +17,7 @@ import ctypes
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -65,7 +66,7 @@ class Member:
         self.store.set(f"ft/join/{self.id}", str(os.getpid()))
         self._thread = threading.Thread(target=self._watch, name="unison-ft-member", daemon=True)
         self._thread.start()
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     # ---- the watcher thread ---------------------------------------------------------
     def _watch(self) -> None:
@@ -116,13 +117,16 @@ class Member:
         return len(self.members)
 
     def wait(self, work: Any) -> Any:
-        """``work.wait()`` (a Work or a Future), raising MembershipChanged as soon as membership changes."""
-        if isinstance(work, torch.futures.Future):
-            while not work.done():
+        """``work.wait()`` (a Work, a Future or anything with ``is_completed``), raising MembershipChanged as soon as membership changes."""
+        if not isinstance(work, dist.Work):  # a Future, or a result computed on a thread: poll it
+            finished = work.done if hasattr(work, "done") else work.is_completed
+            pause = 0.0001
+            while not finished():
                 if self.changed():
                     self._bury(work)
                     raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
-                time.sleep(0.0005)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
             return work.wait()
         while True:
             try:
@@ -213,6 +217,10 @@ class Member:
         """Leave the job gracefully: the others regroup without this worker."""
         self.store.set(f"ft/leave/{self.id}", "1")
         self.close(finished=False)
+
+    def _at_exit(self) -> None:
+        # An uncaught exception was printed (sys.last_value) before atexit handlers run: no "done" then.
+        self.close(finished=not hasattr(sys, "last_value"))
 
     def close(self, finished: bool = True) -> None:
         """Stop the watcher; ``finished``: tell the coordinator this worker ended normally."""
