@@ -38,7 +38,7 @@ from .runtime import forget_private_groups, health
 from .runtime.member import Member, MembershipChanged
 
 #: Algorithms that run with ``fault_tolerant=True`` (the others are refused at construction).
-SUPPORTED = ("allreduce", "fp16", "bf16", "bytegrad", "local_sgd")
+SUPPORTED = ("allreduce", "fp16", "bf16", "bytegrad", "powersgd", "qadam", "local_sgd", "decentralized", "async", "diloco")
 
 
 @dataclasses.dataclass(frozen=True)

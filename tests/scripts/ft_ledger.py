@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import unison
+import unison.optim
 
 
 class Ledger(nn.Module):
@@ -47,17 +48,34 @@ def main() -> None:
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--leave", default=None)
+    p.add_argument("--square", action="store_true", help="worker i's gradient is (i+1)^2 e_s (who contributes shows)")
+    p.add_argument("--average-at-end", action="store_true", help="model.average() before writing the weights")
     args = p.parse_args()
+    try:
+        run(args)
+    except unison.RankFailure as exc:
+        with open(os.path.join(args.out, f"failed-{os.getpid()}.json"), "w") as f:
+            json.dump({"time": time.time(), "message": str(exc)}, f)
+        raise
+
+
+def run(args) -> None:
+    with open(os.path.join(args.out, f"pid-{os.getpid()}"), "w") as f:
+        f.write(os.environ.get("UNISON_FT_ID", "?"))
     unison.init()
     torch.manual_seed(0)
     net = Ledger(args.steps)
-    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    if args.algorithm.startswith("qadam"):
+        opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
     model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True)
     me = model.ft.worker_id
     kills = [at(k) for k in args.kill]
     stops = [at(k) for k in args.stop]
     leave = at(args.leave)
     first_step = model.ft.step
+    healed = net.w.detach().tolist()
     while model.ft.step < args.steps:
         s = model.ft.step
         for who, step, when in kills:
@@ -65,11 +83,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         for who, step, _ in stops:
             if who == me and step == s:
+                with open(os.path.join(args.out, "stopped"), "w") as f:
+                    f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(args.sleep)
         opt.zero_grad()
         x = torch.zeros(args.steps)
-        x[s] = 1.0
+        x[s] = float((me + 1) ** 2) if args.square else 1.0
         model(x).backward()
         opt.step()
         for who, step, when in kills:
@@ -78,11 +98,14 @@ def main() -> None:
         if leave is not None and leave[0] == me and leave[1] == s:
             model.ft.leave()
             break
+    if args.average_at_end:
+        model.average()
     result = {
         "id": me,
         "w": net.w.detach().tolist(),
         "step": model.ft.step,
         "first_step": first_step,
+        "healed": healed,
         "world": model.ft.world_size,
         "members": model.ft.members,
         "events": [[e.time, e.kind, e.detail] for e in model.ft.events],

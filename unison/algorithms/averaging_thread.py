@@ -90,7 +90,7 @@ class FlatRound:
 
     def wait(self) -> None:
         for w in self.works:
-            w.wait()
+            comm.wait(w)
         self.works = []
 
     def deltas(self) -> None:

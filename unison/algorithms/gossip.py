@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..engine import comm
 from ..engine.buckets import split
 
 
@@ -118,7 +119,7 @@ def exchange(
     works = dist.batch_isend_irecv(ops) if ops else []
     if wait:
         for work in works:
-            work.wait()
+            comm.wait(work)
         return []
     return works
 
@@ -131,6 +132,6 @@ class Received:
 
     def wait(self) -> list:
         for work in self.works:
-            work.wait()
+            comm.wait(work)
         self.works = []
         return self.buffers

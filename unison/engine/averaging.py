@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .buckets import MB, split
 from .codecs import MinMax8
-from .comm import all_gather_objects, chunks, flatten, ring_bytes, start
+from .comm import all_gather_objects, chunks, flatten, ring_bytes, start, wait
 
 #: Default size of one coalesced collective.
 CHUNK_BYTES = 25 * MB
@@ -59,7 +59,7 @@ class AsyncAverage:
         """The averaged values, in the order of the tensors given."""
         by_id = {}
         for chunk, wire, work in self._parts:
-            work.wait()
+            wait(work)
             for t, value in zip(chunk, split(wire, chunk)):
                 by_id[id(t)] = value.to(t.dtype)
         return [by_id[i] for i in self._order]
@@ -97,7 +97,7 @@ class AsyncQuantizedAverage:
 
     def wait(self) -> list[torch.Tensor]:
         """The averaged values, in the order of the tensors given."""
-        self._work.wait()
+        wait(self._work)
         total = torch.zeros(self._codec.numel, device=self._gathered[0].device)
         part = torch.empty_like(total)
         for packed in self._gathered:
