@@ -1,0 +1,211 @@
+"""Fault tolerance inside the job: real workers under `unison launch --fault-tolerant`, killed
+(SIGKILL), stopped (SIGSTOP), leaving and replaced, with the exactly-once ledger of
+tests/scripts/ft_ledger.py: after T steps every weight must be exactly -1 (x (i+1)^2 with --square)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import unison
+from unison.fault import SUPPORTED
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_ledger.py"
+LIMIT_S = 60
+
+
+def launch(tmp_path: Path, *args: str, nproc: int = 3, launcher: tuple = (), steps: int = 40, timeout=LIMIT_S):
+    """Run the ledger job; return (launcher's exit code, its stderr, {worker id: result})."""
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", str(nproc), *launcher]
+    cmd += [str(SCRIPT), "--out", str(out), "--steps", str(steps), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return done.returncode, done.stderr, results(out)
+
+
+def results(out: Path) -> dict[int, dict]:
+    found = {}
+    for path in out.glob("[0-9]*.json"):
+        data = json.loads(path.read_text())
+        found[data["id"]] = data
+    return found
+
+
+def ledger(steps: int, contributions: list[float]) -> list[float]:
+    return [-c for c in contributions] if contributions else [-1.0] * steps
+
+
+def kinds(result: dict) -> list[str]:
+    return [kind for _, kind, _ in result["events"]]
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "fp16", "bf16", "bytegrad"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_killed_rank_leaves_every_step_applied_exactly_once(tmp_path, algorithm, when):
+    code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", f"1@10:{when}")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2], err[-3000:]
+    for result in found.values():
+        assert result["step"] == 40 and result["world"] == 2
+        assert result["w"] == [-1.0] * 40, result["w"]  # a doubled step shows -2, a lost one 0
+        assert {"failure", "regroup", "redo"} <= set(kinds(result))
+    assert "worker 1" in err and "exited with -9" in err
+
+
+def test_rank_0_may_die(tmp_path):
+    code, err, found = launch(tmp_path, "--kill", "0@7")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [1, 2]
+    assert all(r["w"] == [-1.0] * 40 for r in found.values())
+    assert all(r["members"] == [1, 2] for r in found.values())  # the oldest survivor is rank 0 now
+
+
+def test_a_kill_equals_a_graceful_leave_bitwise(tmp_path):
+    """Each worker's gradient differs ((id+1)^2 e_s), so who took part in each round shows."""
+    killed = launch(tmp_path / "kill", "--square", "--kill", "1@10")
+    left = launch(tmp_path / "leave", "--square", "--leave", "1@9")
+    for code, err, found in (killed, left):
+        assert code == 0, err[-3000:]
+        assert {0, 2} <= set(found)
+    expected = [-(1 + 4 + 9) / 3] * 10 + [-(1 + 9) / 2] * 30
+    for wid in (0, 2):
+        assert killed[2][wid]["w"] == left[2][wid]["w"]
+        assert killed[2][wid]["w"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["powersgd", "qadam", "local_sgd", "decentralized", "async", "diloco"])
+def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
+    code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", "1@10", "--average-at-end")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2]
+    first, second = found[0], found[2]
+    assert first["step"] == second["step"] == 40
+    assert first["w"] == pytest.approx(second["w"], abs=1e-6)
+
+
+def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
+    code, err, found = launch(
+        tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2")
+    )
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 3]
+    assert all(r["w"] == [-1.0] * 40 and r["world"] == 2 for r in found.values())
+
+
+def test_too_few_members_ends_the_job_with_rank_failure(tmp_path):
+    started = time.time()
+    code, err, found = launch(
+        tmp_path,
+        "--kill",
+        "1@10",
+        "--kill",
+        "2@10",
+        launcher=("--min-replicas", "2", "--join-timeout", "2"),
+        steps=400,
+    )
+    assert code != 0
+    assert found == {}
+    failures = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("failed-*.json")]
+    assert len(failures) == 1 and "--min-replicas 2" in failures[0]["message"], err[-3000:]
+    assert time.time() - started < LIMIT_S
+
+
+def test_a_respawned_worker_heals_from_a_live_peer(tmp_path):
+    code, err, found = launch(tmp_path, "--kill", "1@10", "--sleep", "0.03", launcher=("--respawn",), steps=250)
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2, 3], err[-3000:]
+    joiner = found[3]
+    start = joiner["first_step"]
+    assert 10 < start < 250
+    # Right after the heal it holds exactly the members' weights at that step.
+    assert joiner["healed"] == [-1.0] * start + [0.0] * (250 - start)
+    assert "heal_recv" in kinds(joiner)
+    assert any("heal_send" in kinds(r) for r in (found[0], found[2]))
+    for result in found.values():
+        assert result["w"] == [-1.0] * 250 and result["world"] == 3
+
+
+def _pid_of(out: Path, worker: str) -> int:
+    for path in out.glob("pid-*"):
+        if path.read_text() == worker:
+            return int(path.name.split("-")[1])
+    raise AssertionError(f"no pid for worker {worker}")
+
+
+def test_a_stopped_worker_is_evicted_and_never_rejoins_an_old_membership(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "3", str(SCRIPT)]
+    cmd += ["--out", str(out), "--steps", "300", "--stop", "1@10"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + LIMIT_S
+        while not (out / "stopped").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        stopped_at = float((out / "stopped").read_text())
+        victim = _pid_of(out, "1")
+        time.sleep(4.0)  # past the eviction (2 s of silence), while the others train on
+        os.kill(victim, signal.SIGCONT)
+        _, err = launcher.communicate(timeout=deadline - time.time())
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    found = results(out)
+    assert sorted(found) == [0, 2], err[-3000:]
+    for result in found.values():
+        assert result["w"] == [-1.0] * 300
+        regroup = next(t for t, kind, _ in result["events"] if kind == "regroup")
+        assert regroup - stopped_at < 2.5  # evicted, and the survivors regrouped
+    failures = [json.loads(p.read_text()) for p in out.glob("failed-*.json")]
+    assert len(failures) == 1 and "evicted" in failures[0]["message"]
+
+
+def test_when_the_coordinator_dies_every_worker_raises_rank_failure(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", str(SCRIPT)]
+    cmd += ["--out", str(out), "--steps", "2000"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pids: list[int] = []
+    try:
+        deadline = time.time() + LIMIT_S
+        while len(list(out.glob("pid-*"))) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        pids = [int(p.name.split("-")[1]) for p in out.glob("pid-*")]
+        time.sleep(4.0)  # training is under way
+        launcher.kill()
+        launcher.wait()
+        killed_at = time.time()
+        while len(list(out.glob("failed-*.json"))) < 2 and time.time() < killed_at + 10:
+            time.sleep(0.05)
+        failures = [json.loads(p.read_text()) for p in out.glob("failed-*.json")]
+    finally:
+        for pid in pids:  # the workers the launcher started, by pid, if they outlived the check
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert len(failures) == 2
+    for failure in failures:
+        assert "coordinator" in failure["message"]
+        assert failure["time"] - killed_at < 2.0
+
+
+def test_fault_tolerant_needs_the_launcher_and_a_supported_algorithm():
+    import torch
+
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="unison launch --fault-tolerant"):
+        unison.DataParallel(net, optimizer=opt, fault_tolerant=True)
+    assert "daso" not in SUPPORTED and "nonblocking" not in SUPPORTED
