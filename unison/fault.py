@@ -38,7 +38,18 @@ from .runtime import forget_private_groups, health
 from .runtime.member import Member, MembershipChanged
 
 #: Algorithms that run with ``fault_tolerant=True`` (the others are refused at construction).
-SUPPORTED = ("allreduce", "fp16", "bf16", "bytegrad", "powersgd", "qadam", "local_sgd", "decentralized", "async", "diloco")
+SUPPORTED = (
+    "allreduce",
+    "fp16",
+    "bf16",
+    "bytegrad",
+    "powersgd",
+    "qadam",
+    "local_sgd",
+    "decentralized",
+    "async",
+    "diloco",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +162,9 @@ class FaultTolerance:
 
     def check(self) -> None:
         """Before a forward: raise RankFailure if the job cannot go on (coordinator gone, too few
-        members); regroup first if this worker was stopped and the others moved on."""
-        self.at_boundary()
+        members) or if this worker was evicted while it was stopped. A membership change is
+        otherwise taken up by the step's first wait: the batch in hand is this step's."""
+        self._member.check_membership()
 
     def note(self, kind: str, detail: str) -> None:
         self.events.append(Event(time.time(), kind, detail))
@@ -196,7 +208,9 @@ class FaultTolerance:
                     if regroup:
                         doc = self._member.regroup()
                         forget_private_groups()
-                        self.note("regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})")
+                        self.note(
+                            "regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})"
+                        )
                         self._guarded().regrouped()
                     self._settle(kind, local)
                     return

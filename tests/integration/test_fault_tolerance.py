@@ -93,9 +93,7 @@ def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorit
 
 
 def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
-    code, err, found = launch(
-        tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2")
-    )
+    code, err, found = launch(tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2"))
     assert code == 0, err[-3000:]
     assert sorted(found) == [0, 3]
     assert all(r["w"] == [-1.0] * 40 and r["world"] == 2 for r in found.values())
@@ -104,13 +102,7 @@ def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
 def test_too_few_members_ends_the_job_with_rank_failure(tmp_path):
     started = time.time()
     code, err, found = launch(
-        tmp_path,
-        "--kill",
-        "1@10",
-        "--kill",
-        "2@10",
-        launcher=("--min-replicas", "2", "--join-timeout", "2"),
-        steps=400,
+        tmp_path, "--kill", "1@10", "--kill", "2@10", launcher=("--min-replicas", "2", "--join-timeout", "2"), steps=400
     )
     assert code != 0
     assert found == {}

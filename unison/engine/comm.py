@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from ..runtime import member
+from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from .buckets import MB
 
 # The most recent works stay referenced from Python. A work whose last reference

@@ -209,8 +209,10 @@ class Coordinator:
             ]
             if self.command and not live:
                 break
-            if not self.command and self.workers and all(
-                w.state in ("finished", "dead", "evicted", "left") for w in self.workers.values()
+            if (
+                not self.command
+                and self.workers
+                and all(w.state in ("finished", "dead", "evicted", "left") for w in self.workers.values())
             ):
                 break
             time.sleep(TICK_S)

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from .health import RankFailure
@@ -93,8 +92,7 @@ class Member:
         """Raise RankFailure if the job cannot go on."""
         if self.lost is not None:
             raise RankFailure(
-                f"worker {self.id}: {self.lost}. Restart the job; it resumes from the last unison.save checkpoint.",
-                [],
+                f"worker {self.id}: {self.lost}. Restart the job; it resumes from the last unison.save checkpoint.", []
             )
 
     def changed(self) -> bool:
@@ -107,6 +105,11 @@ class Member:
         if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
             self.latest = int(self.store.get("ft/epoch"))
         return self.latest != self.epoch
+
+    def check_membership(self) -> None:
+        """Raise RankFailure if the job cannot go on or the newest membership leaves this worker out."""
+        if self.changed() and self.epoch > 0 and self.id not in self._read(self.latest)["members"]:
+            self._newest_with_me(time.time())  # raises: evicted
 
     @property
     def rank(self) -> int:
@@ -132,7 +135,9 @@ class Member:
             try:
                 result = work.wait(timeout=WAIT_SLICE)
                 if time.monotonic() - self._polled > 10 * POLL_S and self.changed():
-                    raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped")
+                    raise MembershipChanged(
+                        f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped"
+                    )
                 return result
             except RuntimeError as exc:
                 if isinstance(exc, MembershipChanged) or work.is_completed():
