@@ -207,7 +207,8 @@ class FaultTolerance:
                 try:
                     if regroup:
                         doc = self._member.regroup()
-                        forget_private_groups()
+                        for group in forget_private_groups():
+                            self._member.bury(group)
                         self.note(
                             "regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})"
                         )

@@ -50,6 +50,8 @@ def private_group(group: Optional[dist.ProcessGroup], tag: Optional[str] = None)
     return new
 
 
-def forget_private_groups() -> None:
-    """Drop the cached groups (when the default process group is destroyed)."""
+def forget_private_groups() -> list[dist.ProcessGroup]:
+    """Drop the cached groups (when the default process group is destroyed); returns them."""
+    groups = [g for g in _private_groups.values() if g is not None]
     _private_groups.clear()
+    return groups

@@ -59,7 +59,7 @@ class Member:
         self.members: list[int] = []
         self.joiners: list[int] = []
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
-        self.graveyard: list[Any] = []  # abandoned groups and works (see _bury)
+        self.graveyard: list[Any] = []  # abandoned groups and works (see bury)
         self._polled = time.monotonic()  # when the watcher last read the epoch
         self._stop = threading.Event()
         self.store.set(f"ft/join/{self.id}", str(os.getpid()))
@@ -126,7 +126,7 @@ class Member:
             pause = 0.0001
             while not finished():
                 if self.changed():
-                    self._bury(work)
+                    self.bury(work)
                     raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)
@@ -143,7 +143,7 @@ class Member:
                 if isinstance(exc, MembershipChanged) or work.is_completed():
                     raise  # the collective itself failed (a peer died)
             if self.changed():
-                self._bury(work)
+                self.bury(work)
                 raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
 
     # ---- memberships -------------------------------------------------------------------
@@ -205,13 +205,12 @@ class Member:
 
     def _abandon(self) -> None:
         """Forget the current groups without destroying them (their work may still be running);
-        the caller forgets unison's private groups of them (``runtime.forget_private_groups``)."""
+        the caller buries unison's private groups of them (``runtime.forget_private_groups``)."""
         if dist.is_initialized():
-            for group in list(dist.distributed_c10d._world.pg_map.keys()):
-                self._bury(group)
+            self.bury(dist.group.WORLD)
             dist.destroy_process_group()
 
-    def _bury(self, obj: Any) -> None:
+    def bury(self, obj: Any) -> None:
         """Keep ``obj`` (a group or a work of an old membership) alive for good: a gloo group's
         destructor joins its threads, which wait out the group timeout on a stopped peer, and
         would hold up this process's exit. The memory goes with the process."""
