@@ -33,6 +33,7 @@ from torch import nn
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
+from .engine.snapshot import seed_all, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 
@@ -299,27 +300,6 @@ def _check_plain(obj: Any, where: str) -> None:
         )
 
 
-def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor in it (in dicts, lists, tuples) detached and on the CPU, for a file.
-
-    Module state dicts keep their ``_metadata`` (the versions ``load_state_dict`` reads).
-
-    Example::
-
-        >>> torch.save(to_cpu(model.state_dict()), path)
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
 def _write_atomically(obj: Any, path: str) -> None:
     """torch.save to a temporary file beside ``path``, fsync, then rename over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -405,12 +385,7 @@ def set_rng_states(state: dict[str, Any]) -> None:
 
 def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
     """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
-    seed = (zlib.crc32(tensor_bytes(rank0_state["torch"])) * 1_000_003 + rank) % 2**32
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed)
+    seed_all((zlib.crc32(tensor_bytes(rank0_state["torch"])) * 1_000_003 + rank) % 2**32)
 
 
 def _tuples(obj: Any) -> Any:

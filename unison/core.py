@@ -175,14 +175,14 @@ class Core:
         Returns the algorithm's state entry when it could still be read, for ``start()``
         then ``load_algorithm_entry`` to carry it over.
         """
-        dispatcher, self.dispatcher = self.dispatcher, None
         entry = None
-        if dispatcher is not None:
+        if self.dispatcher is not None:
             try:
-                state = dispatcher.state_dict()
-                entry = {"name": self.algorithm.name, "state": state} if state else None
+                entry = self.algorithm_entry()
             except Exception:  # its state waits on the old membership: start afresh
                 entry = None
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
             dispatcher.release()
             self.retired_bytes += dispatcher.bytes_sent
         self.hooks.remove()

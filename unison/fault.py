@@ -30,10 +30,10 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from .core import Core
 from .engine.comm import all_gather_objects, broadcast_object
+from .engine.snapshot import seed_all, to_cpu
 from .runtime import forget_private_groups, health
 from .runtime.member import Member, MembershipChanged
 
@@ -94,10 +94,6 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
 def is_failure(exc: BaseException) -> bool:
     """Whether ``exc`` means a membership change (and not a bug, nor the job's end)."""
     return isinstance(exc, MembershipChanged) or health.is_comm_failure(exc)
-
-
-def _cpu(obj: Any) -> Any:
-    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, obj)
 
 
 class FaultTolerance:
@@ -256,10 +252,10 @@ class FaultTolerance:
         model = self._guarded()
         out: dict[str, Any] = {"step": self.step}
         if full:
-            out["module"] = _cpu(model.module.state_dict())
-            out["optimizers"] = [_cpu(opt.state_dict()) for opt in model.core.optimizers]
-            out["algorithm"] = _cpu(model.core.algorithm_entry())
-            out["attached"] = {name: _cpu(obj.state_dict()) for name, obj in self._attached.items()}
+            out["module"] = to_cpu(model.module.state_dict())
+            out["optimizers"] = [to_cpu(opt.state_dict()) for opt in model.core.optimizers]
+            out["algorithm"] = to_cpu(model.core.algorithm_entry())
+            out["attached"] = {name: to_cpu(obj.state_dict()) for name, obj in self._attached.items()}
         return out
 
     def _load(self, payload: dict[str, Any]) -> None:
@@ -274,7 +270,7 @@ class FaultTolerance:
         for name, state in payload["attached"].items():
             if name in self._attached:
                 self._attached[name].load_state_dict(state)
-        torch.manual_seed(zlib.crc32(f"{self.step}/{self._member.id}".encode()))
+        seed_all(zlib.crc32(f"{self.step}/{self._member.id}".encode()))
 
     def _redo(self, model: Guarded, local: Optional[dict[int, torch.Tensor]], contributors: int, swallow: bool) -> None:
         """The interrupted gradient round again, on this quorum; a member without a saved
