@@ -4,7 +4,8 @@
 taken from the running process group (a world of one when there is none), so
 the same script runs alone or distributed. It can also resume mid-epoch: a
 checkpoint records how far the epoch got, and the resumed pass yields the
-rest of the epoch in the order the uninterrupted pass would have.
+rest of the epoch in the order the uninterrupted pass would have. Under fault
+tolerance it re-deals the rest of an epoch when the members change.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class ShardSampler(DistributedSampler):
     the remaining indices. The count is of indices handed to the DataLoader,
     which is exact with ``num_workers=0``; worker processes read ahead, so with
     them save at epoch ends or pass ``start`` yourself.
+
+    Fault tolerance: ``model.ft.attach(sampler=sampler)`` heals the epoch and
+    position into a joiner and calls ``reshard`` on every membership change,
+    which deals the rest of the epoch over the new members (see
+    docs/fault-tolerance.md).
     """
 
     def __init__(
@@ -64,6 +70,8 @@ class ShardSampler(DistributedSampler):
         # shard is every num_replicas-th index of it, starting at r).
         self._skip = 0  # to skip at the start of the next pass
         self._consumed = 0  # handed out so far in this epoch
+        self._deal: Optional[list[int]] = None  # the current pass's positions (the epoch's order, fitted)
+        self._dealt_epoch = -1
 
     def set_epoch(self, epoch: int, start: Optional[int] = None) -> None:
         """Shuffle for ``epoch``; the next pass starts ``start`` indices into this rank's shard.
@@ -84,26 +92,54 @@ class ShardSampler(DistributedSampler):
         super().set_epoch(epoch)
         self._skip = self._consumed = skip
 
-    def _epoch_order(self) -> list[int]:
-        """The epoch's indices for all ranks, padded or cut as DistributedSampler does."""
+    def _permutation(self) -> list[int]:
+        """The epoch's order of the whole dataset, before padding or cutting."""
         n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        return _fit(order, self.total_size, self.drop_last)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _deal_from(self, start: int) -> list[int]:
+        """Deal the epoch from position ``start`` on over the current ranks: its order as torch's
+        DistributedSampler has it for this world, the rest refitted to equal shards (a resume or a
+        re-deal may start anywhere)."""
+        order = _fit(self._permutation(), self.total_size, self.drop_last)
+        start = min(start, len(order))
+        rest = order[start:]
+        self._deal = order[:start] + _fit(rest, _round(len(rest), self.num_replicas, self.drop_last), self.drop_last)
+        self._dealt_epoch = self.epoch
+        return self._deal
 
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0  # a resume applies to one pass only
-        rest = self._epoch_order()[skip:]
-        # Equal shards even when the world size changed since the checkpoint.
-        rest = _fit(rest, _round(len(rest), self.num_replicas, self.drop_last), self.drop_last)
+        self._deal_from(skip)
         self._consumed = skip
-        for index in rest[self.rank :: self.num_replicas]:
+        epoch = self.epoch
+        # Rank r's shard is every num_replicas-th position from the current one; both are read
+        # afresh for each index, so a re-deal (``reshard``) or a heal takes effect mid-pass.
+        while self.epoch == epoch:
+            deal = self._deal
+            assert deal is not None  # dealt above; a re-deal replaces it
+            position = self._consumed + self.rank
+            if position >= len(deal):
+                return
             self._consumed += self.num_replicas
-            yield index
+            yield deal[position]
+
+    def reshard(self, rank: int, world_size: int) -> str:
+        """Deal the rest of the epoch over a new membership (fault tolerance calls this on every
+        change): no position is dealt twice, and every member's shard stays equal. Returns what it did."""
+        if rank < 0 or world_size <= rank:
+            raise ValueError(f"reshard needs 0 <= rank < world_size, got rank {rank} of {world_size}")
+        self.rank, self.num_replicas = rank, world_size
+        self.total_size = _round(len(self.dataset), world_size, self.drop_last)  # type: ignore[arg-type]
+        self.num_samples = self.total_size // world_size
+        if self._deal is None or self._dealt_epoch != self.epoch:
+            return f"epoch {self.epoch}: dealt over {world_size} rank(s) from its next pass"
+        left = max(len(self._deal_from(self._consumed)) - self._consumed, 0)
+        return f"epoch {self.epoch}: {left} indices left, dealt over {world_size} rank(s)"
 
     def __len__(self) -> int:
         """Indices the next pass yields on this rank (fewer when it resumes mid-epoch)."""
@@ -131,6 +167,8 @@ class ShardSampler(DistributedSampler):
                 )
         super().set_epoch(int(state["epoch"]))
         self._skip = self._consumed = int(state["consumed"])
+        if self._deal is not None and self._dealt_epoch == self.epoch:  # a heal mid-pass: go on from there
+            self._deal_from(self._consumed)
 
 
 def _round(length: int, world: int, drop_last: bool) -> int:

@@ -54,7 +54,8 @@ SUPPORTED = (
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One thing that happened to the job: ``kind`` is failure, regroup, redo, drop, heal_send or heal_recv."""
+    """One thing that happened to the job: ``kind`` is failure, regroup, reshard, redo, drop, lost,
+    heal_send or heal_recv."""
 
     time: float
     kind: str
@@ -120,6 +121,7 @@ class FaultTolerance:
         self.step = 0
         self.events: list[Event] = []
         self._attached: dict[str, Any] = {}
+        self._healed: dict[str, Any] = {}  # attached state healed in before the object was attached
         self._recovering = False
         self._swallow = False  # the pending backward was settled by a heal: its optimizer step does nothing
 
@@ -146,11 +148,21 @@ class FaultTolerance:
 
     def attach(self, **objects: Any) -> None:
         """Heal these objects (anything with ``state_dict``/``load_state_dict``: an LR scheduler,
-        a sampler, a counter of yours) into joiners together with the model."""
+        a ``ShardSampler``, a counter of yours) into joiners together with the model.
+
+        A joiner heals while its model is built, before it can attach anything: what it received
+        under a name is loaded when it attaches an object under that name. An object with
+        ``reshard(rank, world_size)`` (``ShardSampler``) is also told of every membership change.
+        Attach the same names, in every worker, right after building the model.
+        """
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"attach({name}=...) needs an object with state_dict() and load_state_dict()")
             self._attached[name] = obj
+            if name in self._healed:
+                obj.load_state_dict(self._healed.pop(name))
+            if callable(getattr(obj, "reshard", None)):
+                obj.reshard(self.rank, self.world_size)
 
     def leave(self) -> None:
         """Leave the job gracefully after this step: the others go on without this worker."""
@@ -198,6 +210,7 @@ class FaultTolerance:
 
     def _settled(self, kind: str, local: Optional[dict[int, torch.Tensor]], regroup: bool = False) -> None:
         self._recovering = True
+        before = set(self._member.members)
         try:
             while True:
                 try:
@@ -209,7 +222,11 @@ class FaultTolerance:
                             "regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})"
                         )
                         self._guarded().regrouped()
+                        self._reshard()
                     self._settle(kind, local)
+                    gone = sorted(before - set(self._member.members))
+                    if gone and kind in ("grad", "drop"):
+                        self.note("lost", f"the in-flight batch of worker(s) {gone}, which left mid-step")
                     return
                 except Exception as again:
                     if not is_failure(again):
@@ -218,6 +235,12 @@ class FaultTolerance:
                     regroup = True
         finally:
             self._recovering = False
+
+    def _reshard(self) -> None:
+        """Tell attached objects that deal work by rank (a ShardSampler) of the new membership."""
+        for name, obj in self._attached.items():
+            if callable(getattr(obj, "reshard", None)):
+                self.note("reshard", f"{name}: {obj.reshard(self.rank, self.world_size)}")
 
     def _guarded(self) -> Guarded:
         model = self._model()
@@ -270,6 +293,8 @@ class FaultTolerance:
         for name, state in payload["attached"].items():
             if name in self._attached:
                 self._attached[name].load_state_dict(state)
+            else:
+                self._healed[name] = state
         seed_all(zlib.crc32(f"{self.step}/{self._member.id}".encode()))
 
     def _redo(self, model: Guarded, local: Optional[dict[int, torch.Tensor]], contributors: int, swallow: bool) -> None:

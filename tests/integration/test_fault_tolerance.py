@@ -201,3 +201,39 @@ def test_fault_tolerant_needs_the_launcher_and_a_supported_algorithm():
     with pytest.raises(RuntimeError, match="unison launch --fault-tolerant"):
         unison.DataParallel(net, optimizer=opt, fault_tolerant=True)
     assert "daso" not in SUPPORTED and "nonblocking" not in SUPPORTED
+
+
+SAMPLER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_sampler.py"
+
+
+def test_the_sampler_re_deals_the_epoch_and_a_joiner_resumes_its_position(tmp_path):
+    """3 workers, 240 indices, batches of 4: worker 1 dies before step 5 and a replacement joins
+    mid-run. In every epoch no index is trained twice, and only the dead worker's in-flight batch
+    and at most world-1 indices per re-deal (cut for equal shards) are missing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "3", "--respawn"]
+    cmd += [str(SAMPLER_SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.05", "--kill", "1@5"]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=LIMIT_S, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = results(out)
+    assert sorted(found) == [0, 2, 3], done.stderr[-3000:]
+    joiner_epoch, joiner_step = found[3]["first"]
+    assert joiner_step > 5
+    steps: dict[int, set] = {}
+    trained: dict[int, list] = {}
+    for log in out.glob("*.jsonl"):
+        for line in log.read_text().splitlines():
+            epoch, step, batch = json.loads(line)
+            trained.setdefault(epoch, []).extend(batch)
+            steps.setdefault(step, set()).add(log.stem)
+    for epoch, indices in trained.items():
+        assert len(indices) == len(set(indices)), f"epoch {epoch}: an index trained twice"
+        lost = 4 if epoch == 0 else 0  # the dead worker's in-flight batch
+        assert 240 - len(indices) <= lost + 2 + 2, f"epoch {epoch}: {240 - len(indices)} indices missing"
+    # The joiner trained from the step after its heal, in the members' epoch, alongside them.
+    assert min(s for s, who in steps.items() if "3" in who) == joiner_step + 1
+    assert all({"0", "2", "3"} <= who for s, who in steps.items() if s > joiner_step)
+    assert any(kind == "lost" for _, kind, _ in found[0]["events"])
