@@ -24,7 +24,8 @@ def add_train_parser(subparsers) -> None:
         "train",
         help="train an MLP on the UCI handwritten digits on local processes",
         description="Train a small MLP on scikit-learn's bundled UCI handwritten digits, "
-        "data-parallel over local processes started by torch's elastic launcher.",
+        "data-parallel over local processes started by torch's elastic launcher "
+        "(with --fault-tolerant: by unison's coordinator, and the survivors of a dead worker go on).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=positive_int, default=defaults.nproc, help="worker processes")
@@ -57,7 +58,35 @@ def add_train_parser(subparsers) -> None:
         default=defaults.max_restarts,
         help="restart the workers up to N times after a failure (each resumes from the last checkpoint)",
     )
-    p.set_defaults(run=run_train)
+    ft = p.add_argument_group("fault tolerance (docs/fault-tolerance.md)")
+    ft.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="run under unison's fault-tolerant coordinator: the survivors of a dead worker go on training",
+    )
+    ft.add_argument(
+        "--kill",
+        metavar="WORKER@STEP",
+        type=kill_spec,
+        action="append",
+        default=[],
+        help="worker WORKER SIGKILLs itself when the committed step reaches STEP (repeatable; a testing aid)",
+    )
+    ft.add_argument("--respawn", action="store_true", help="start a replacement for each worker that dies")
+    ft.add_argument(
+        "--min-replicas", metavar="K", type=positive_int, default=None, help="fewest members to train with (default 1)"
+    )
+    p.set_defaults(run=run_train, train_parser=p)
+
+
+def kill_spec(text: str) -> tuple[int, int]:
+    """An argparse type for ``--kill WORKER@STEP``."""
+    from .train_ft import parse_kill
+
+    try:
+        return parse_kill(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +133,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         print("unison train: --checkpoint-every needs --checkpoint-dir", file=sys.stderr)
         return 2
+    if not args.fault_tolerant:
+        used = [name for name, value in ft_options(args).items() if value]
+        if used:
+            verb = "needs" if len(used) == 1 else "need"
+            args.train_parser.error(f"{' and '.join(used)} {verb} --fault-tolerant")
     config = TrainConfig(
         nproc=args.nproc,
         algorithm=args.algorithm,
@@ -115,11 +149,38 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         max_restarts=args.max_restarts,
     )
+    if args.fault_tolerant:
+        return run_train_fault_tolerant(args, config)
     try:
         summary = launch(config)
     except ChildFailedError as exc:
         print(f"unison train: a worker process failed\n{exc}\nunison train: {root_cause(exc)}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        print(f"unison train: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    if args.json:
+        return write_json(args.json, summary)
+    return 0
+
+
+def ft_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options that belong to ``--fault-tolerant``, by their flags."""
+    return {"--kill": args.kill, "--respawn": args.respawn, "--min-replicas": args.min_replicas is not None}
+
+
+def run_train_fault_tolerant(args: argparse.Namespace, config: Any) -> int:
+    """``unison train --fault-tolerant``: refuse bad combinations as argparse errors, run, print the summary."""
+    from .train_ft import FaultPlan, check, launch, print_summary
+
+    try:
+        plan = FaultPlan(kills=tuple(args.kill), respawn=args.respawn, min_replicas=args.min_replicas or 1)
+        check(config, plan)
+    except ValueError as exc:
+        args.train_parser.error(str(exc))
+    try:
+        summary = launch(config, plan)
     except Exception as exc:
         print(f"unison train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
