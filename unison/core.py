@@ -176,15 +176,15 @@ class Core:
         then ``load_algorithm_entry`` to carry it over.
         """
         entry = None
-        if self.dispatcher is not None:
+        dispatcher = self.dispatcher
+        if dispatcher is not None:
+            dispatcher.release()  # first: its syncs in flight are abandoned, not waited for
             try:
                 entry = self.algorithm_entry()
             except Exception:  # its state waits on the old membership: start afresh
                 entry = None
-        dispatcher, self.dispatcher = self.dispatcher, None
-        if dispatcher is not None:
-            dispatcher.release()
             self.retired_bytes += dispatcher.bytes_sent
+        self.dispatcher = None
         self.hooks.remove()
         if self.reducer is not None:
             self.abandoned.append(self.reducer)
@@ -257,6 +257,12 @@ class Core:
         """``{"name", "state"}`` of the running algorithm for a state dict, or None if it keeps none."""
         state = self.events.state_dict()
         return {"name": self.algorithm.name, "state": state} if state else None
+
+    @property
+    def shared_rounds(self) -> int:
+        """Rounds of shared algorithm state completed (``State.shared_rounds``)."""
+        state = self.events.state
+        return state.shared_rounds if state is not None else 0
 
     def accepts(self, entry: dict[str, Any], strict: bool, what: str, advice: str = "") -> bool:
         """Whether ``entry`` (an ``algorithm_entry``) was saved by the running algorithm; one of

@@ -92,6 +92,27 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
         )
 
 
+#: The entries of an algorithm's state that belong to one worker: error-feedback residuals.
+RANK_LOCAL = ("residuals", "feedback")
+
+
+def rank_local(state: dict[str, Any], own: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``state`` (a peer's) with its rank-local entries replaced: by ``own``'s, or zeros without it."""
+    out = dict(state)
+    for key in RANK_LOCAL:
+        if key in out:
+            out[key] = own[key] if own is not None and key in own else _zeros(out[key])
+    return out
+
+
+def _zeros(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: _zeros(v) for k, v in value.items()}
+    return value
+
+
 def is_failure(exc: BaseException) -> bool:
     """Whether ``exc`` means a membership change (and not a bug, nor the job's end)."""
     return isinstance(exc, MembershipChanged) or health.is_comm_failure(exc)
@@ -226,7 +247,10 @@ class FaultTolerance:
                     self._settle(kind, local)
                     gone = sorted(before - set(self._member.members))
                     if gone and kind in ("grad", "drop"):
-                        self.note("lost", f"the in-flight batch of worker(s) {gone}, which left mid-step")
+                        self.note(
+                            "lost",
+                            f"the work in flight of worker(s) {gone}: its batch (or local steps since its last sync)",
+                        )
                     return
                 except Exception as again:
                     if not is_failure(again):
@@ -250,26 +274,47 @@ class FaultTolerance:
 
     def _settle(self, kind: str, local: Optional[dict[int, torch.Tensor]]) -> None:
         model, group = self._guarded(), dist.group.WORLD
-        statuses = all_gather_objects((self.step, kind), group)
-        running = [s for s, k in statuses if k != "join"]
-        top = max(running) if running else max(s for s, _ in statuses)
-        source = next(r for r, (s, k) in enumerate(statuses) if s == top and (k != "join" or not running))
-        behind = [r for r, (s, k) in enumerate(statuses) if r != source and (s < top or k == "join")]
+        # Where each member is: committed steps, what it was doing, shared rounds (DiLoCo's outer
+        # steps) completed. The source is the lowest rank furthest ahead; joiners never are.
+        statuses = all_gather_objects((self.step, kind, model.core.shared_rounds), group)
+        running = [(s, n) for s, k, n in statuses if k != "join"]
+        top = max(running) if running else max((s, n) for s, _, n in statuses)
+        source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
+        behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
         rank = dist.get_rank(group)
         started = time.time()
         payload = self._payload(full=bool(behind)) if rank == source else None
         payload = broadcast_object(payload, group, src=source)
         if rank in behind:
-            self._load(payload)
-            self.note("heal_recv", f"from rank {source} at step {top} in {time.time() - started:.3f} s")
+            self._load(payload, fresh=kind == "join")
+            self.note("heal_recv", f"from rank {source} at step {top[0]} in {time.time() - started:.3f} s")
         elif rank == source and behind:
-            self.note("heal_send", f"to rank(s) {behind} at step {top}")
-        contributors = [r for r, (s, k) in enumerate(statuses) if k == "grad" and s == top]
+            self.note("heal_send", f"to rank(s) {behind} at step {top[0]}")
+        contributors = [r for r, (s, k, _) in enumerate(statuses) if k == "grad" and s == top[0]]
         if contributors:
             self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")
-            self.note("redo", f"gradient round of step {top + 1} on {len(contributors)} contributor(s)")
+            self.note("redo", f"gradient round of step {top[0] + 1} on {len(contributors)} contributor(s)")
+        elif kind == "drop" and getattr(model.core.algorithm, "redoes_syncs", False):
+            self.note("redo", f"the interrupted sync after step {self.step}, at the next step")
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
+        self._align_data(contributors[0] if contributors else source)
+        idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
+        if idle:
+            self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {idle}, which were between steps")
+
+    def _align_data(self, leader: int) -> None:
+        """Give every member the data position of ``leader`` (one that was mid-step, if any): a
+        member that noticed the change between two steps has not drawn that step's batch."""
+        group = dist.group.WORLD
+        positions = None
+        if dist.get_rank(group) == leader:
+            positions = {n: to_cpu(o.state_dict()) for n, o in self._attached.items() if hasattr(o, "reshard")}
+        for name, state in broadcast_object(positions, group, src=leader).items():
+            if name in self._attached:
+                self._attached[name].load_state_dict(state)
+            else:
+                self._healed[name] = state
 
     def _payload(self, full: bool) -> dict[str, Any]:
         model = self._guarded()
@@ -281,15 +326,19 @@ class FaultTolerance:
             out["attached"] = {name: to_cpu(obj.state_dict()) for name, obj in self._attached.items()}
         return out
 
-    def _load(self, payload: dict[str, Any]) -> None:
-        """Become the source: everything shared, and a fresh per-worker RNG seed."""
+    def _load(self, payload: dict[str, Any], fresh: bool) -> None:
+        """Become the source: everything shared, and a fresh per-worker RNG seed. Rank-local
+        algorithm state (error feedback) starts at zero in a ``fresh`` worker; a member keeps its own."""
         model = self._guarded()
         self.step = payload["step"]
         model.module.load_state_dict(payload["module"])
         for opt, state in zip(model.core.optimizers, payload["optimizers"]):
             opt.load_state_dict(state)
-        if payload["algorithm"] is not None:
-            model.core.load_algorithm_entry(payload["algorithm"], strict=False, what="model")
+        entry = payload["algorithm"]
+        if entry is not None:
+            own = None if fresh else model.core.algorithm_entry()
+            entry = {**entry, "state": rank_local(entry["state"], own["state"] if own else None)}
+            model.core.load_algorithm_entry(entry, strict=False, what="model")
         for name, state in payload["attached"].items():
             if name in self._attached:
                 self._attached[name].load_state_dict(state)

@@ -274,7 +274,7 @@ def test_overlap_converges_and_average_settles(wire_and_overlap):
 def test_checkpoint_round_trip():
     for r in launch.run(check_state, 2, timeout=60):
         for overlap, res in r.items():
-            assert res["keys"] == ["in_flight", "outer_optimizer", "snapshot", "steps"]
+            assert res["keys"] == ["in_flight", "merged", "outer_optimizer", "snapshot", "steps"]
             assert res["has_momentum"]
             assert max(res["gaps"]) == 0.0, (overlap, res["gaps"])
         assert r[False]["steps"] == 10 and r[True]["steps"] == 8

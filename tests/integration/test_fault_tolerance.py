@@ -92,6 +92,21 @@ def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorit
     assert first["w"] == pytest.approx(second["w"], abs=1e-6)
 
 
+def test_diloco_redoes_the_interrupted_outer_step_on_the_survivors(tmp_path):
+    """Classic DiLoCo, outer SGD with lr 1: an outer step moves the snapshot by the members' mean
+    progress. Worker 1 dies in the third period: its steps 8 and 9 go with it, the outer sync it
+    broke is redone by the survivors one step later, and no other step is lost or doubled."""
+    algorithm = "diloco:period=4,fragments=1,delay=0,outer_lr=1.0,outer_momentum=0,nesterov=False"
+    code, err, found = launch(tmp_path, "--algorithm", algorithm, "--square", "--kill", "1@10")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2]
+    expected = [-(1 + 4 + 9) / 3] * 8 + [-(1 + 9) / 2] * 32
+    for result in found.values():
+        assert result["w"] == pytest.approx(expected, rel=1e-6)
+        assert "redo" in kinds(result)
+    assert found[0]["w"] == found[2]["w"]  # equal replicas: the outer steps are shared
+
+
 def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
     code, err, found = launch(tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2"))
     assert code == 0, err[-3000:]

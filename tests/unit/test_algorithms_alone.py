@@ -44,7 +44,7 @@ SAVED_KEYS: dict[str, Any] = {
     "local_sgd": {"steps", "in_flight"},
     "decentralized": {"steps", "in_flight"},
     "low_precision_decentralized": {"steps"},
-    "diloco": {"steps", "snapshot", "outer_optimizer", "in_flight"},
+    "diloco": {"steps", "snapshot", "outer_optimizer", "in_flight", "merged"},
     "daso": None,  # checked apart: the schedule's counters
 }
 

@@ -138,6 +138,27 @@ def test_finish_merges_every_sync_in_flight():
     assert [(f, step) for f, step, _, _ in rec.merged] == [(0, 99), (1, 99)] and not streams.inflight
 
 
+@pytest.mark.parametrize("redo", [False, True])
+def test_abandoned_syncs_are_launched_again_at_the_next_step_only_with_redo(redo):
+    """A membership change abandons the syncs in flight (no wait); DiLoCo (redo) launches them
+    again at the next step and lands them at once, also across a state-dict round trip."""
+    rec = Recorded()
+    streams = Streams(Stagger(4, 2, 3), rec.launch, rec.merge, redo=redo)
+    rec.run(streams, range(1, 5))
+    assert sorted(streams.inflight) == [0, 1] and streams.merged == 0
+    streams.abandon()
+    assert not streams.inflight
+    again = Streams(Stagger(4, 2, 3), rec.launch, rec.merge, redo=redo)
+    again.load_state_dict(streams.state_dict())
+    rec.launched.clear()
+    rec.run(again, [5])
+    if redo:
+        assert rec.launched == [(0, 5), (1, 5)] and [(f, s) for f, s, _, _ in rec.merged] == [(0, 5), (1, 5)]
+        assert again.merged == 2
+    else:
+        assert rec.launched == [] and rec.merged == [] and again.merged == 0
+
+
 def test_drop_forgets_syncs_without_merging():
     rec = Recorded()
     streams = Streams(Stagger(4, 2, 3), rec.launch, rec.merge)

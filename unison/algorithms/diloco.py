@@ -68,22 +68,22 @@ class DiLoCoState(StreamedState):
             "steps": self.steps,
             "snapshot": {n: s.detach().clone() for n, s in zip(self.names, self.snapshot)},
             "outer_optimizer": self.outer.state_dict(),
-            "in_flight": self.streams.state_dict() if self.streams else [],
+            "in_flight": [],
+            **self.streams_state(),
             **feedback,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly; the outer optimizer keeps this run's options (lr, momentum, nesterov)."""
         expected = {"steps", "snapshot", "outer_optimizer"}
-        if not expected <= set(state) <= expected | {"in_flight", "feedback"}:
+        if not expected <= set(state) <= expected | {"in_flight", "merged", "feedback"}:
             raise ValueError(
                 f"diloco state must have keys {sorted(expected)} (and 'in_flight', 'feedback'), got {sorted(state)}"
             )
         missing = [n for n in self.names if n not in state["snapshot"]]
         if missing:
             raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
-        if self.streams:
-            self.streams.load_state_dict(state.get("in_flight", []))
+        self.load_streams(state)
         self.feedback = {int(f): e.clone() for f, e in state.get("feedback", {}).items()}
         self.count.load_state_dict(state)
         with torch.no_grad():
@@ -122,6 +122,7 @@ class DiLoCo(Streamed[DiLoCoState]):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
+    redoes_syncs = True  # an outer step is state every replica shares: redone after a membership change
     period = Int(16, aliases=("inner_steps",))
     outer_lr = Number(0.7)
     outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0)

@@ -23,6 +23,12 @@ class State:
         #: Bytes the algorithm sent itself (weights, pseudo-gradients), apart from gradient buckets.
         self.bytes_sent = 0
 
+    @property
+    def shared_rounds(self) -> int:
+        """Rounds of shared state completed (fault tolerance heals a member that completed fewer
+        than another at the same step); 0 where the algorithm has none."""
+        return 0
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

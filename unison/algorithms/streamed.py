@@ -33,16 +33,30 @@ class StreamedState(CountedState):
         """Whether syncs land some steps after their launch (local steps are kept at the merge)."""
         return self.streams is not None and self.streams.stagger.delay > 0
 
+    @property
+    def shared_rounds(self) -> int:
+        """Syncs merged so far where they are shared state (``redoes_syncs``): fault tolerance
+        heals a member that merged fewer than another."""
+        return self.streams.merged if self.streams and self.streams.redo else 0
+
+    def streams_state(self) -> dict[str, Any]:
+        """The syncs in flight and the count of those merged, for ``state_dict``."""
+        return {"in_flight": self.streams.state_dict(), "merged": self.streams.merged} if self.streams else {}
+
+    def load_streams(self, state: dict[str, Any]) -> None:
+        if self.streams:
+            self.streams.load_state_dict(state.get("in_flight", []))
+            self.streams.merged = int(state.get("merged", 0))
+
     def state_dict(self) -> dict[str, Any]:
-        return {**self.count.state_dict(), "in_flight": self.streams.state_dict() if self.streams else []}
+        return {**self.count.state_dict(), "in_flight": [], **self.streams_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = sorted(set(state) - {"steps", "in_flight"})
+        unknown = sorted(set(state) - {"steps", "in_flight", "merged"})
         if unknown:
             raise ValueError(f"{type(self).__name__} has unknown entries {unknown}; expected 'steps' and 'in_flight'")
         self.count.load_state_dict(state)
-        if self.streams:
-            self.streams.load_state_dict(state.get("in_flight", []))
+        self.load_streams(state)
 
 
 T = TypeVar("T", bound=StreamedState)
@@ -74,6 +88,10 @@ class Streamed(Algorithm[T]):
         """The schedule the options ask for (defaults filled in)."""
         return default_schedule(self.period, self.fragments, self.delay)
 
+    #: Whether a sync abandoned by a membership change is launched again (its result is state
+    #: every replica must share: DiLoCo's outer step) or dropped (an average of drifting replicas).
+    redoes_syncs = False
+
     def stream(self, replica: Replica, state: T, fragments: int) -> None:
         """Sync ``fragments`` fragments of ``state`` on the schedule, through ``launch`` and ``merge``."""
         stagger = Stagger(self.period, fragments, self.schedule().delay)
@@ -81,6 +99,7 @@ class Streamed(Algorithm[T]):
             stagger,
             lambda f: self.launch(replica, state, f),
             lambda f, result, extra: self.merge(replica, state, f, result, extra),
+            redo=self.redoes_syncs,
         )
 
     def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:
@@ -107,4 +126,4 @@ class Streamed(Algorithm[T]):
 
     def release(self, replica: Replica, state: T) -> None:
         if state.streams:
-            state.streams.inflight.clear()
+            state.streams.abandon()

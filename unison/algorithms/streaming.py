@@ -106,18 +106,31 @@ class Streams:
         stagger: the schedule.
         launch: ``launch(f) -> (pending, extra)``.
         merge: ``merge(f, pending.wait(), extra)``.
+        redo: syncs abandoned by a membership change (``abandon``) are launched again at the next
+            step, on the new members (DiLoCo's outer steps); otherwise they are dropped.
     """
 
     def __init__(
-        self, stagger: Stagger, launch: Callable[[int], tuple[Waitable, Any]], merge: Callable[[int, Any, Any], None]
+        self,
+        stagger: Stagger,
+        launch: Callable[[int], tuple[Waitable, Any]],
+        merge: Callable[[int, Any, Any], None],
+        redo: bool = False,
     ) -> None:
-        self.stagger, self._launch, self._merge = stagger, launch, merge
+        self.stagger, self._launch, self._merge, self.redo = stagger, launch, merge, redo
         self.inflight: dict[
             int, tuple[int, Waitable, Any]
         ] = {}  # fragment -> (launch step, pending, extra), in launch order
+        self.relaunch: list[int] = []  # fragments abandoned by a membership change, to launch again
+        self.merged = 0  # syncs merged so far (fault tolerance compares it across members)
 
     def advance(self, step: int) -> None:
-        """After local step ``step``: merge the syncs due, then launch the fragments due."""
+        """After local step ``step``: launch again the syncs abandoned, merge the syncs due, then
+        launch the fragments due."""
+        relaunch, self.relaunch = self.relaunch, []
+        for f in relaunch:  # blocking: the redone sync lands at once
+            self.inflight[f] = (step, *self._launch(f))
+            self._land(f)
         for f, (launched, _, _) in list(self.inflight.items()):
             if step - launched >= self.stagger.delay:
                 self._land(f)
@@ -137,21 +150,35 @@ class Streams:
             pending.wait()
         self.inflight.clear()
 
+    def abandon(self) -> None:
+        """The members changed: forget the syncs in flight without waiting (their peers may be
+        gone); with ``redo`` they are launched again at the next step."""
+        if self.redo:
+            self.relaunch = sorted(set(self.relaunch) | set(self.inflight))
+        self.inflight.clear()
+
     def _land(self, f: int) -> None:
-        _, pending, extra = self.inflight.pop(f)
-        self._merge(f, pending.wait(), extra)
+        _, pending, extra = self.inflight[f]
+        result = pending.wait()  # a failed wait leaves the sync in flight, for ``abandon``
+        del self.inflight[f]
+        self._merge(f, result, extra)
+        self.merged += 1
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """The syncs in flight, received (waits for them) but not merged: a resumed run merges them on schedule."""
-        return [
+        """The syncs in flight, received (waits for them) but not merged: a resumed run merges them on
+        schedule; and those to launch again."""
+        landed = [
             {"fragment": f, "step": s, "result": _copy(p.wait()), "extra": _copy(e)}
             for f, (s, p, e) in self.inflight.items()
         ]
+        return landed + [{"fragment": f, "relaunch": True} for f in self.relaunch]
 
     def load_state_dict(self, entries: list[dict[str, Any]]) -> None:
         self.drop()
+        self.relaunch = [int(e["fragment"]) for e in entries if e.get("relaunch")]
         for e in entries:
-            self.inflight[int(e["fragment"])] = (int(e["step"]), Finished(e["result"]), e["extra"])
+            if not e.get("relaunch"):
+                self.inflight[int(e["fragment"])] = (int(e["step"]), Finished(e["result"]), e["extra"])
 
 
 def _copy(value: Any) -> Any:

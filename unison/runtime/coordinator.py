@@ -86,6 +86,7 @@ class Coordinator:
         self.members: list[int] = []
         self.epoch = 0
         self.respawns = 0
+        self.ending = False  # the job is over: no more replacements
         self.short_since: Optional[float] = None
         self.aborted: Optional[str] = None
         self.log: list[tuple[float, str, str]] = []
@@ -146,6 +147,8 @@ class Coordinator:
 
     def _maybe_respawn(self) -> None:
         s = self.settings
+        if self.ending or any(w.state == "finished" for w in self.workers.values()):
+            return  # the job is ending: a replacement would have nothing to join
         if self.command and s.respawn and (s.max_respawns is None or self.respawns < s.max_respawns):
             self.respawns += 1
             w = self.spawn()
@@ -216,12 +219,18 @@ class Coordinator:
             ):
                 break
             time.sleep(TICK_S)
+        self.ending = True
         for w in self.workers.values():  # an evicted worker that never came back is no member: end it
             if w.process is not None and w.process.poll() is None:
                 w.process.kill()
                 w.process.wait()
+        if self.aborted is None:
+            self._look(time.time())  # the last exits
         finished = sum(w.state == "finished" for w in self.workers.values())
-        if self.aborted is not None or finished == 0:
+        broken = [wid for wid in self.members if self.workers[wid].state not in ("finished", "left")]
+        if broken:
+            self.note("failure", f"member(s) {broken} of the last membership did not finish")
+        if self.aborted is not None or finished == 0 or broken:
             return 1
         return 0
 
