@@ -423,7 +423,18 @@ class DataParallel(nn.Module):
         model-averaging algorithms, whose replicas drift apart between syncs,
         call it at the end of training before saving; ``state_dict()`` itself
         never communicates, so saving on rank 0 alone cannot hang.
+
+        With ``fault_tolerant=True`` a membership change during it is recovered from and the
+        average done again over the new members.
         """
+        while True:
+            try:
+                return self._average()
+            except Exception as exc:
+                if self.ft is None or not self.ft.recover(exc, "drop"):
+                    raise
+
+    def _average(self) -> None:
         events = self._core.events
         events.flush()
         if self.process_group is None:

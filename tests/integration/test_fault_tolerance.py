@@ -107,6 +107,27 @@ def test_diloco_redoes_the_interrupted_outer_step_on_the_survivors(tmp_path):
     assert found[0]["w"] == found[2]["w"]  # equal replicas: the outer steps are shared
 
 
+def test_a_failure_during_average_is_recovered_and_the_average_done_again(tmp_path):
+    """Worker 1 dies after its last step, as the others call model.average(): they regroup and
+    average over the two of them (local SGD replicas differ until then)."""
+    code, err, found = launch(tmp_path, "--algorithm", "local_sgd:period=8", "--kill", "1@39:after", "--average-at-end")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2]
+    assert found[0]["w"] == found[2]["w"] == [-1.0] * 40
+    assert "regroup" in kinds(found[0])
+
+
+def test_no_replacement_is_started_once_the_job_is_ending(tmp_path):
+    """Worker 1 dies two steps before the end: its replacement finds the job over and exits;
+    no replacement of the replacement is started, and the job ends well."""
+    started = time.time()
+    code, err, found = launch(tmp_path, "--kill", "1@38", launcher=("--respawn",))
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2]
+    assert err.count("respawn: worker") <= 1, err[-3000:]
+    assert time.time() - started < 30
+
+
 def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
     code, err, found = launch(tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2"))
     assert code == 0, err[-3000:]

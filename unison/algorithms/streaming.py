@@ -127,9 +127,7 @@ class Streams:
     def advance(self, step: int) -> None:
         """After local step ``step``: launch again the syncs abandoned, merge the syncs due, then
         launch the fragments due."""
-        relaunch, self.relaunch = self.relaunch, []
-        for f in relaunch:  # blocking: the redone sync lands at once
-            self.inflight[f] = (step, *self._launch(f))
+        for f in self._relaunch(step):  # blocking: a redone sync lands at once
             self._land(f)
         for f, (launched, _, _) in list(self.inflight.items()):
             if step - launched >= self.stagger.delay:
@@ -140,7 +138,9 @@ class Streams:
                 self._land(f)
 
     def finish(self) -> None:
-        """Merge every sync in flight now (all ranks launched them: no new collective)."""
+        """Merge every sync in flight now (all ranks launched them: no new collective), after
+        launching again those abandoned by a membership change."""
+        self._relaunch(0)
         for f in list(self.inflight):
             self._land(f)
 
@@ -149,6 +149,15 @@ class Streams:
         for _, pending, _ in self.inflight.values():
             pending.wait()
         self.inflight.clear()
+
+    def _relaunch(self, step: int) -> list[int]:
+        """Launch again the syncs abandoned (each leaves the list once launched); returns them."""
+        launched = []
+        while self.relaunch:
+            f = self.relaunch[0]
+            self.inflight[f] = (step, *self._launch(f))
+            launched.append(self.relaunch.pop(0))
+        return launched
 
     def abandon(self) -> None:
         """The members changed: forget the syncs in flight without waiting (their peers may be
