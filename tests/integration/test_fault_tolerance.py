@@ -128,6 +128,18 @@ def test_no_replacement_is_started_once_the_job_is_ending(tmp_path):
     assert time.time() - started < 30
 
 
+@pytest.mark.parametrize("algorithm", ["local_sgd:period=4,warmup_steps=20", "async:warmup_steps=20"])
+def test_a_warm_up_step_interrupted_is_redone_exactly_once(tmp_path, algorithm):
+    """The warm-ups run on the gradient engine: a kill at step 10 of 20 leaves the ledger of the
+    warm-up exact (later steps are local, and averaging equal values keeps them)."""
+    code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", "1@10", "--average-at-end")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2]
+    for result in found.values():
+        assert result["w"][:20] == [-1.0] * 20
+        assert "redo" in kinds(result)
+
+
 def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
     code, err, found = launch(tmp_path, "--kill", "1@10", "--kill", "2@10", nproc=4, launcher=("--min-replicas", "2"))
     assert code == 0, err[-3000:]
