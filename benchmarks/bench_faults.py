@@ -85,6 +85,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -271,6 +272,7 @@ class Ledger:
     def __init__(self) -> None:
         self.steps = 0
         self.notes: list[dict] = []
+        self.stalled: list[dict] = []  # runs where a worker gave up after a minute without a membership
         self.runs = 0
 
     def add(self, part: str, job: Job) -> list[dict]:
@@ -278,6 +280,9 @@ class Ledger:
         notes = [{**n, "part": part, "run": job.out.name} for n in job.false_failures()]
         self.steps, self.runs = self.steps + top, self.runs + 1
         self.notes += notes
+        stalled = sum("no membership with this worker came within" in line for _, line in job.lines)
+        if stalled:
+            self.stalled.append({"part": part, "run": job.out.name, "workers": stalled})
         return notes
 
     def summary(self) -> dict:
@@ -293,6 +298,10 @@ class Ledger:
             "membership that never comes (60 s, REGROUP_TIMEOUT_S) while the others wait on it, and "
             "exits with RankFailure",
             "notes": self.notes,
+            "stalled_a_minute": self.stalled,
+            "stalled_what": "runs where a worker raised RankFailure 'no membership with this worker came within "
+            "60 s' (a failure it took for a membership change, noted or not: one during DataParallel(...) "
+            "construction comes before the worker can see model.ft)",
         }
 
 
@@ -606,11 +615,13 @@ def goodput_part(args: argparse.Namespace, root: Path) -> dict:
         measured = {}
         for kind in ("ft", "elastic") if r % 2 == 0 else ("elastic", "ft"):
             tries = []
-            for a in range(3):
+            for a in range(args.goodput_tries):
                 m = chaos_run(kind, fresh(root, f"goodput-{kind}-{r}-try{a}"), args, schedule, draws)
                 if not m.get("spoiled"):
                     break
                 tries.append(m)
+            else:
+                m = {"error": f"all {args.goodput_tries} tries had a false failure in the fault-free window"}
             measured[kind] = {**m, "spoiled_tries": tries}
             print(f"  goodput {kind} {r}: " + (f"{m['goodput']:.2f}" if "goodput" in m else m["error"]), flush=True)
         rounds.append({"schedule_s": schedule, **measured})
@@ -723,6 +734,10 @@ def table(results: dict) -> list[str]:
     def row(name: str, value: str, target: str = "", met: Any = None) -> None:
         lines.append(f"{name:52} {value:>10} {target:>12}  {'' if met is None else 'yes' if met else 'NO'}")
 
+    for part in PARTS:
+        if "error" in results.get(part, {}):
+            row(f"{part}: failed (see the JSON)", "-")
+    results = {k: v for k, v in results.items() if not (isinstance(v, dict) and "error" in v)}
     for kind, limit in (("kill", "<= 0.5 s"), ("stop", "<= 2.5 s")):
         if kind in results:
             k = results[kind]
@@ -810,6 +825,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--window", type=int, default=64, help="timed steps (whole diloco periods of 16)")
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--goodput-rounds", type=int, default=3)
+    parser.add_argument("--goodput-tries", type=int, default=10, help="runs a false failure may spoil, per round")
     parser.add_argument("--clean-seconds", type=float, default=15.0)
     parser.add_argument("--chaos-seconds", type=float, default=60.0)
     parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun path: unison.save every N steps")
@@ -837,35 +853,45 @@ def main(argv: Optional[list[str]] = None) -> int:
         for part in parts:
             print(f"{part} ...", flush=True)
             began = time.time()
-            if part in ("kill", "stop"):
-                results[part] = latency_part(part, args, root)
-            elif part == "heal":
-                results[part] = heal_part(args, root)
-            elif part == "overhead":
-                results[part] = overhead_part(args, root)
-            else:
-                results[part] = goodput_part(args, root)
+            try:
+                if part in ("kill", "stop"):
+                    results[part] = latency_part(part, args, root)
+                elif part == "heal":
+                    results[part] = heal_part(args, root)
+                elif part == "overhead":
+                    results[part] = overhead_part(args, root)
+                else:
+                    results[part] = goodput_part(args, root)
+            except Exception:  # the other parts' figures still count; this one says why it has none
+                results[part] = {"error": traceback.format_exc()}
+                print(results[part]["error"], flush=True)
             results[part]["seconds"] = round(time.time() - began, 1)
-        results["false_failures"] = LEDGER.summary()
-    lines = table(results)
-    print("\n".join(lines))
+            results["false_failures"] = LEDGER.summary()
+            write_report(args, given, started, load_at_start, results, complete=part == parts[-1])
+    print("\n".join(results["table"]))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def write_report(args, given: list[str], started: float, load: tuple, results: dict, complete: bool) -> None:
+    """The JSON, after every part (``complete``: false until the last part is in)."""
+    results["table"] = table(results)
     report = {
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_faults.py", *given]),
+        "complete": complete,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "load_at_start": load_at_start, "load_at_end": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "load_at_start": load, "load_at_end": os.getloadavg()},
         "git": git_state(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep")},
-        "table": lines,
         **results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
+    with open(args.json + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {args.json}")
-    return 0
+    os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":
