@@ -7,6 +7,15 @@ doubled step shows -2, a lost one 0). Faults are injected by the victim itself:
 `--kill ID@STEP[:after]` SIGKILLs worker ID at that step (before its reduction,
 or after its optimizer step), `--stop ID@STEP` SIGSTOPs it, `--leave ID@STEP`
 leaves gracefully after that step. Each worker writes OUT/<id>.json.
+
+For runs driven from outside (tests/integration/test_fault_chaos.py): every worker writes
+OUT/pid-<pid> (its worker id) before it joins, OUT/joined-<pid> (the membership it was admitted
+to, as JSON) once it is a member and before its heal, and OUT/ready-<pid> once healed.
+`--pad-mb N` adds a frozen parameter of N MiB (no gradient, no reduction: it only makes the heal
+payload big; its checksum is in the result); `--origin` adds a frozen parameter holding the
+membership epoch that created the model (1; a joiner's own is its admission epoch until healed),
+so a job that silently started over from a joiner's fresh state shows; `--hurry-file PATH` drops
+the sleep once PATH exists (steps stay fixed, so every member stops at the same committed step).
 """
 
 import argparse
@@ -20,12 +29,21 @@ from torch import nn
 
 import unison
 import unison.optim
+from unison.runtime import member
+
+PAD_MOD = 9973
 
 
 class Ledger(nn.Module):
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, pad_mb: float = 0.0, joiner: bool = False, origin: int = 0) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.zeros(n))
+        if origin:
+            self.origin = nn.Parameter(torch.tensor([float(origin)]), requires_grad=False)
+        if pad_mb:
+            # The job's pad is not zeros, and a joiner's own is -1 until its heal carries the values in.
+            pad = torch.arange(int(pad_mb * 2**18), dtype=torch.float32).remainder_(PAD_MOD)
+            self.pad = nn.Parameter(pad.fill_(-1.0) if joiner else pad, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.w * x).sum()
@@ -50,6 +68,9 @@ def main() -> None:
     p.add_argument("--leave", default=None)
     p.add_argument("--square", action="store_true", help="worker i's gradient is (i+1)^2 e_s (who contributes shows)")
     p.add_argument("--average-at-end", action="store_true", help="model.average() before writing the weights")
+    p.add_argument("--pad-mb", type=float, default=0.0, help="a frozen parameter of this many MiB (a big heal)")
+    p.add_argument("--origin", action="store_true", help="a frozen parameter: the epoch that created the state")
+    p.add_argument("--hurry-file", default=None, help="once this file exists, steps no longer sleep")
     args = p.parse_args()
     try:
         run(args)
@@ -59,17 +80,27 @@ def main() -> None:
         raise
 
 
+def mark(args, name: str, text: str) -> None:
+    """Write OUT/<name>-<pid> whole (a reader never sees it half written)."""
+    path, hidden = (os.path.join(args.out, f"{dot}{name}-{os.getpid()}") for dot in ("", "."))
+    with open(hidden, "w") as f:
+        f.write(text)
+    os.replace(hidden, path)
+
+
 def run(args) -> None:
-    with open(os.path.join(args.out, f"pid-{os.getpid()}"), "w") as f:
-        f.write(os.environ.get("UNISON_FT_ID", "?"))
+    mark(args, "pid", os.environ.get("UNISON_FT_ID", "?"))
     unison.init()
+    m = member.active()
+    mark(args, "joined", json.dumps({"id": m.id, "epoch": m.epoch, "members": m.members, "time": time.time()}))
     torch.manual_seed(0)
-    net = Ledger(args.steps)
+    net = Ledger(args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0)
     if args.algorithm.startswith("qadam"):
         opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=1.0)
     model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True)
+    mark(args, "ready", str(model.ft.step))
     me = model.ft.worker_id
     kills = [at(k) for k in args.kill]
     stops = [at(k) for k in args.stop]
@@ -86,7 +117,8 @@ def run(args) -> None:
                 with open(os.path.join(args.out, "stopped"), "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(args.sleep)
+        if args.hurry_file is None or not os.path.exists(args.hurry_file):
+            time.sleep(args.sleep)
         opt.zero_grad()
         x = torch.zeros(args.steps)
         x[s] = float((me + 1) ** 2) if args.square else 1.0
@@ -106,6 +138,9 @@ def run(args) -> None:
         "step": model.ft.step,
         "first_step": first_step,
         "healed": healed,
+        "pad": float(net.pad.double().sum()) if args.pad_mb else None,
+        "origin": int(net.origin.item()) if args.origin else None,
+        "admitted": m.epoch,
         "world": model.ft.world_size,
         "members": model.ft.members,
         "events": [[e.time, e.kind, e.detail] for e in model.ft.events],

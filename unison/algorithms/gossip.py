@@ -119,7 +119,7 @@ def exchange(
     works = dist.batch_isend_irecv(ops) if ops else []
     if wait:
         for work in works:
-            comm.wait(work)
+            comm.wait(work, p2p=True)
         return []
     return works
 
@@ -132,6 +132,6 @@ class Received:
 
     def wait(self) -> list:
         for work in self.works:
-            comm.wait(work)
+            comm.wait(work, p2p=True)
         self.works = []
         return self.buffers

@@ -34,11 +34,12 @@ def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return work
 
 
-def wait(work: Any) -> Any:
+def wait(work: Any, p2p: bool = False) -> Any:
     """``work.wait()`` for a Work or Future; under fault tolerance the wait is polled together
-    with the membership (``MembershipChanged`` instead of blocking on a dead or stopped peer)."""
+    with the membership (``MembershipChanged`` instead of blocking on a dead or stopped peer).
+    ``p2p``: the work of a send or receive (never waited on with a timeout)."""
     current = member.active()
-    return work.wait() if current is None else current.wait(work)
+    return work.wait() if current is None else current.wait(work, timed=not p2p)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:

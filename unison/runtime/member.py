@@ -35,6 +35,9 @@ WAIT_SLICE = datetime.timedelta(milliseconds=20)
 REGROUP_TIMEOUT_S = 60.0
 #: The backstop timeout of the groups built per membership (polled waits never reach it).
 GROUP_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("UNISON_FT_TIMEOUT", "60")))
+#: How long the members of a membership wait for each other while they build its group (they are
+#: all ready when they start: only one that died or stopped since then is waited out).
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=10)
 
 
 class MembershipChanged(RuntimeError):
@@ -59,6 +62,7 @@ class Member:
         self.members: list[int] = []
         self.joiners: list[int] = []
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
+        self._admitted = False  # a membership with this worker was published (left out later: evicted)
         self.graveyard: list[Any] = []  # abandoned groups and works (see bury)
         self._polled = time.monotonic()  # when the watcher last read the epoch
         self._stop = threading.Event()
@@ -109,7 +113,7 @@ class Member:
     def check_membership(self) -> None:
         """Raise RankFailure if the job cannot go on or the newest membership leaves this worker out."""
         if self.changed() and self.epoch > 0 and self.id not in self._read(self.latest)["members"]:
-            self._newest_with_me(time.time())  # raises: evicted
+            self._newest_with_me(time.time(), self.epoch)  # raises: evicted
 
     @property
     def rank(self) -> int:
@@ -119,9 +123,12 @@ class Member:
     def world_size(self) -> int:
         return len(self.members)
 
-    def wait(self, work: Any) -> Any:
-        """``work.wait()`` (a Work, a Future or anything with ``is_completed``), raising MembershipChanged as soon as membership changes."""
-        if not isinstance(work, dist.Work):  # a Future, or a result computed on a thread: poll it
+    def wait(self, work: Any, timed: bool = True) -> Any:
+        """``work.wait()`` (a Work, a Future or anything with ``is_completed``), raising MembershipChanged
+        as soon as membership changes. A collective's Work is waited on in short timed slices; a
+        point-to-point one (``timed=False``: gloo closes the pair when a timed wait on it runs out)
+        and anything else is polled."""
+        if not timed or not isinstance(work, dist.Work):  # polled: a p2p Work, a Future, a thread's result
             finished = work.done if hasattr(work, "done") else work.is_completed
             pause = 0.0001
             while not finished():
@@ -134,40 +141,43 @@ class Member:
         while True:
             try:
                 result = work.wait(timeout=WAIT_SLICE)
-                if time.monotonic() - self._polled > 10 * POLL_S and self.changed():
-                    raise MembershipChanged(
-                        f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped"
-                    )
-                return result
-            except RuntimeError as exc:
-                if isinstance(exc, MembershipChanged) or work.is_completed():
-                    raise  # the collective itself failed (a peer died)
-            if self.changed():
-                self.bury(work)
-                raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}")
+            except RuntimeError:
+                if not work.is_completed():  # the slice ran out
+                    if self.changed():
+                        self.bury(work)
+                        raise MembershipChanged(f"membership epoch {self.latest} replaced {self.epoch}") from None
+                    continue
+                # It ended, maybe just after the slice ran out ("Operation timed out!" raced its
+                # completion): what it ended with decides, its result or its own error (a peer died).
+                result = work.wait()
+            if time.monotonic() - self._polled > 10 * POLL_S and self.changed():
+                raise MembershipChanged(
+                    f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped"
+                )
+            return result
 
     # ---- memberships -------------------------------------------------------------------
     def _read(self, epoch: int) -> dict[str, Any]:
         return json.loads(self.store.get(f"ft/members/{epoch}"))
 
-    def _newest_with_me(self, deadline: float) -> tuple[int, dict[str, Any]]:
-        """The newest membership, once it is newer than ours and holds this worker; RankFailure if
-        this worker was a member and is left out (evicted), or the job ended before it was admitted."""
-        seen = self.epoch
+    def _newest_with_me(self, deadline: float, seen: int) -> tuple[int, dict[str, Any]]:
+        """The newest membership, once it is newer than ``seen`` and holds this worker; RankFailure if
+        this worker was admitted and is left out (evicted), or the job ended before it was admitted."""
         while True:
             self.check()
-            if self.latest > 0 and self.latest != seen:
-                epoch = self.latest
-                doc = self._read(epoch)
+            latest = self._newest()
+            if latest > 0 and latest != seen:
+                doc = self._read(latest)
                 if self.id in doc["members"]:
-                    return epoch, doc
-                if self.epoch > 0:
+                    self._admitted = True
+                    return latest, doc
+                if self._admitted:  # a member, or a joiner left out before it had built its first group
                     raise RankFailure(
-                        f"worker {self.id} was evicted from the job (membership {epoch}: {doc['reason']}); "
+                        f"worker {self.id} was evicted from the job (membership {latest}: {doc['reason']}); "
                         "it stopped answering for too long and the others went on without it",
                         [],
                     )
-                seen = epoch  # a joiner not admitted yet
+                seen = latest  # a joiner not admitted yet
             if self.epoch == 0 and self.store.check(["ft/over"]):
                 raise RankFailure(f"worker {self.id}: the job finished before this worker could join it", [])
             if time.time() > deadline:
@@ -178,6 +188,39 @@ class Member:
                 )
             time.sleep(POLL_S / 4)
 
+    def _newest(self) -> int:
+        """The newest membership published; read now if the watcher has not looked for a while."""
+        if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
+            self.latest = int(self.store.get("ft/epoch"))
+        return self.latest
+
+    def _gather(self, epoch: int, doc: dict[str, Any], deadline: float) -> bool:
+        """Whether the members of ``epoch`` build its group: all of them or none.
+
+        Each member says it is ready, then the first one to find every member ready ("go"), or a
+        newer membership before that ("skip"), decides for all (one compare_set). Without the one
+        decision a member could go into the group's rendezvous while another, which saw the newer
+        membership first, went on to that one: the first would wait out the rendezvous timeout.
+        """
+        self.store.set(f"ft/pg/{epoch}/ready/{self.id}", "1")
+        keys = [f"ft/pg/{epoch}/ready/{m}" for m in doc["members"]]
+        while True:
+            self.check()
+            if self.store.check(keys):
+                want = "go"
+            elif self._newest() != epoch:
+                want = "skip"
+            elif time.time() > deadline:
+                raise RankFailure(
+                    f"worker {self.id}: the members of membership {epoch} were not all ready within "
+                    f"{REGROUP_TIMEOUT_S:.0f} s",
+                    [],
+                )
+            else:
+                time.sleep(POLL_S / 4)
+                continue
+            return self.store.compare_set(f"ft/pg/{epoch}/outcome", "", want).decode() == "go"
+
     def regroup(self) -> dict[str, Any]:
         """Move to the newest membership: build the default process group over its members.
 
@@ -185,21 +228,26 @@ class Member:
         earlier memberships are abandoned, not destroyed while work may run on them.
         """
         deadline = time.time() + REGROUP_TIMEOUT_S
+        seen = self.epoch
         while True:
-            epoch, doc = self._newest_with_me(deadline)
-            self.store.set(f"ft/pg/{epoch}/ready/{self.id}", "1")
-            keys = [f"ft/pg/{epoch}/ready/{m}" for m in doc["members"]]
-            while not self.store.check(keys) and self.latest == epoch and time.time() < deadline:
-                self.check()
-                time.sleep(POLL_S / 4)
-            if self.latest != epoch:
+            epoch, doc = self._newest_with_me(deadline, seen)
+            seen = epoch
+            if not self._gather(epoch, doc, deadline):
                 continue  # membership moved on while we gathered
             self._abandon()
             rank = doc["members"].index(self.id)
             store = dist.PrefixStore(f"ft/pg/{epoch}/", self.store)
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=len(doc["members"]), timeout=GROUP_TIMEOUT
-            )
+            try:
+                dist.init_process_group(
+                    "gloo", store=store, rank=rank, world_size=len(doc["members"]), timeout=RENDEZVOUS_TIMEOUT
+                )
+            except RuntimeError:
+                # A member that was ready died or stopped before it met the others: the coordinator
+                # publishes a membership without it, which we wait for (never this one again).
+                continue
+            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is not None:
+                set_timeout(GROUP_TIMEOUT, dist.group.WORLD)
             self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
             return doc
 
