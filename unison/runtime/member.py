@@ -245,9 +245,7 @@ class Member:
                 # A member that was ready died or stopped before it met the others: the coordinator
                 # publishes a membership without it, which we wait for (never this one again).
                 continue
-            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-            if set_timeout is not None:
-                set_timeout(GROUP_TIMEOUT, dist.group.WORLD)
+            _backstop(dist.group.WORLD)
             self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
             return doc
 
@@ -287,6 +285,25 @@ class Member:
 
 
 _member: Optional[Member] = None
+
+
+def _backstop(group: Any) -> None:
+    """Give a group built with the short rendezvous timeout the backstop timeout of its collectives."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(GROUP_TIMEOUT, group)
+
+
+def new_group(build: Any, timeout: Optional[datetime.timedelta]) -> Any:
+    """``build(timeout)``: a process group. Under fault tolerance it is built with the short
+    rendezvous timeout (a member that died or stopped meanwhile is waited out in seconds, and the
+    error is a failure that moves to the next membership, not a 10-minute hang), then given the
+    backstop timeout of its collectives; otherwise with ``timeout``."""
+    if _member is None:
+        return build(timeout)
+    group = build(RENDEZVOUS_TIMEOUT)
+    _backstop(group)
+    return group
 
 
 def active() -> Optional[Member]:
