@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import Core
-from .engine.comm import all_gather_objects, broadcast_object
+from .engine.comm import all_gather_objects, broadcast_object, broadcast_state
 from .engine.snapshot import seed_all, to_cpu
 from .runtime import forget_private_groups, health
 from .runtime.member import Member, MembershipChanged
@@ -284,7 +284,7 @@ class FaultTolerance:
         rank = dist.get_rank(group)
         started = time.time()
         payload = self._payload(full=bool(behind)) if rank == source else None
-        payload = broadcast_object(payload, group, src=source)
+        payload = broadcast_state(payload, group, src=source)
         if rank in behind:
             self._load(payload, fresh=kind == "join")
             self.note("heal_recv", f"from rank {source} at step {top[0]} in {time.time() - started:.3f} s")

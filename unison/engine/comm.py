@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import io
 import pickle
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -164,6 +165,66 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: i
         t[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     wait(start(dist.broadcast, t, src=src_rank(group, src), group=group))
     return _unpickled(t, t.numel())
+
+
+class _TensorsApart(pickle.Pickler):
+    """Pickles everything but CPU tensors, which it lists apart (their bytes travel raw)."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.size = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.layout != torch.strided:
+            return None
+        if obj.is_quantized or obj.requires_grad or obj.dtype.is_complex:
+            return None
+        flat = obj.detach().contiguous().reshape(-1).view(torch.uint8)
+        offset, pad = self.size, -flat.numel() % 16  # every tensor starts aligned (a view needs it)
+        self.tensors += [flat, torch.zeros(pad, dtype=torch.uint8)] if pad else [flat]
+        self.size += flat.numel() + pad
+        return (offset, flat.numel(), obj.dtype, tuple(obj.shape))
+
+
+class _TensorsFrom(pickle.Unpickler):
+    def __init__(self, file: Any, data: torch.Tensor) -> None:
+        super().__init__(file)
+        self.data = data
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        offset, size, dtype, shape = pid
+        return self.data[offset : offset + size].view(dtype).view(shape).clone()  # its own memory
+
+
+def broadcast_state(obj: Any, group: Optional[dist.ProcessGroup] = None, src: int = 0) -> Any:
+    """Group rank ``src``'s ``obj`` on every rank, its CPU tensors sent as one raw buffer.
+
+    Like ``broadcast_object`` but for big states (a heal): the tensors are not pickled, only
+    copied once into one flat buffer on ``src``, and out of it on the receivers. Three
+    collectives: the sizes, the pickled rest, the tensors' bytes.
+    """
+    sending = dist.get_rank(group) == src
+    skeleton, data = b"", torch.empty(0, dtype=torch.uint8)
+    if sending:
+        buffer = io.BytesIO()
+        pickler = _TensorsApart(buffer)
+        pickler.dump(obj)
+        skeleton = buffer.getvalue()
+        data = torch.cat(pickler.tensors) if pickler.tensors else data
+    sizes = torch.tensor([len(skeleton), data.numel()], dtype=torch.int64)
+    wait(start(dist.broadcast, sizes, src=src_rank(group, src), group=group))
+    head = (
+        torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+        if sending
+        else torch.empty(int(sizes[0]), dtype=torch.uint8)
+    )
+    if not sending:
+        data = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    for t in (head, data):
+        if t.numel():
+            wait(start(dist.broadcast, t, src=src_rank(group, src), group=group))
+    return _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())), data).load()
 
 
 def check_same_everywhere(
