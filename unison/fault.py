@@ -47,6 +47,7 @@ SUPPORTED = (
     "qadam",
     "local_sgd",
     "decentralized",
+    "low_precision_decentralized",
     "async",
     "diloco",
 )
@@ -288,8 +289,14 @@ class FaultTolerance:
         if rank in behind:
             self._load(payload, fresh=kind == "join")
             self.note("heal_recv", f"from rank {source} at step {top[0]} in {time.time() - started:.3f} s")
-        elif rank == source and behind:
-            self.note("heal_send", f"to rank(s) {behind} at step {top[0]}")
+        elif behind:
+            own = model.core.algorithm_entry()
+            if own is not None and getattr(model.core.algorithm, "loads_everywhere", False):
+                # Its own state again, so whatever a load changes in the next round's protocol
+                # (low-precision decentralized resends its public copies in full) changes on every member.
+                model.core.load_algorithm_entry(own, strict=False, what="model")
+            if rank == source:
+                self.note("heal_send", f"to rank(s) {behind} at step {top[0]}")
         contributors = [r for r, (s, k, _) in enumerate(statuses) if k == "grad" and s == top[0]]
         if contributors:
             self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")

@@ -82,7 +82,19 @@ def test_a_kill_equals_a_graceful_leave_bitwise(tmp_path):
         assert killed[2][wid]["w"] == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", ["powersgd", "qadam", "local_sgd", "decentralized", "async", "diloco"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        "powersgd",
+        "qadam",
+        "local_sgd",
+        "decentralized",
+        "decentralized:peer_selection=ring",
+        "low_precision_decentralized",
+        "async",
+        "diloco",
+    ],
+)
 def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
     code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", "1@10", "--average-at-end")
     assert code == 0, err[-3000:]

@@ -131,6 +131,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     reduces_gradients = False
     replicas_drift = True
     needs_optimizers = True
+    loads_everywhere = True  # a load makes the next round resend in full: under a heal, every member loads
     period = Int(16, aliases=("communication_interval",))
 
     def setup(self, replica: Replica) -> LowPrecisionState:

@@ -40,6 +40,33 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("UNISON_FT_TIMEO
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=10)
 
 
+class _WaitedOnThread:
+    """A Work waited on (without a timeout) by a daemon thread: ``done()`` can be polled. Abandoned,
+    the thread ends when the work does (with the group's backstop timeout at the latest)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.result = work, None
+        self.error: Optional[BaseException] = None
+        self.finished = threading.Event()
+        threading.Thread(target=self._wait, daemon=True, name="unison-ft-p2p").start()
+
+    def _wait(self) -> None:
+        try:
+            self.result = self.work.wait()
+        except BaseException as exc:  # handed to the waiter
+            self.error = exc
+        self.finished.set()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self) -> Any:
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class MembershipChanged(RuntimeError):
     """The job's membership changed while this worker waited on a collective of the old one."""
 
@@ -127,7 +154,9 @@ class Member:
         """``work.wait()`` (a Work, a Future or anything with ``is_completed``), raising MembershipChanged
         as soon as membership changes. A collective's Work is waited on in short timed slices; a
         point-to-point one (``timed=False``: gloo closes the pair when a timed wait on it runs out)
-        and anything else is polled."""
+        is waited on by a thread, which is polled, as is anything else."""
+        if not timed and isinstance(work, dist.Work):
+            work = _WaitedOnThread(work)  # gloo's p2p works never report is_completed() without a wait
         if not timed or not isinstance(work, dist.Work):  # polled: a p2p Work, a Future, a thread's result
             finished = work.done if hasattr(work, "done") else work.is_completed
             pause = 0.0001
