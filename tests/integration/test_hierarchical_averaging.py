@@ -131,3 +131,97 @@ def test_layout_check():
     assert check_layout("x", [1, 1]) is False
     with pytest.raises(ValueError, match="same number of processes on every node"):
         check_layout("decentralized", [2, 2, 3])
+
+
+# ---- low_precision_decentralized ---------------------------------------------------------------
+
+
+def perturb(net, seed):
+    g = torch.Generator().manual_seed(100 * seed + dist.get_rank())
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+
+
+def weights(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def round_trip(spec, steps=3, **options):
+    """Train ``steps``, save, restore into a fresh wrapper, train both ``steps`` more: equal to the bit."""
+    torch.manual_seed(0)
+    base = MLP()
+    net, opt, model = wrap(base, spec, **options)
+    for s in range(steps):
+        step([(net, opt, model)], s)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    fresh = wrap(net, spec, **options)
+    fresh[2].load_state_dict(saved["model"])
+    fresh[1].load_state_dict(saved["opt"])
+    for s in range(steps, 2 * steps):
+        step([(net, opt, model), fresh], s)
+    return max_diff(net, fresh[0]), saved["model"]["_unison_algorithm"]
+
+
+def low_precision_rounds():
+    topo = unison.topology()
+    torch.manual_seed(0)
+    net, opt, model = wrap(MLP(), "low_precision_decentralized", period=1, hierarchical=True, fragments=1, delay=0)
+    perturb(net, 1)
+    mine = weights(net)
+    mean = mine.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # an idle round: the weights change by the mixing only
+    out = {
+        "spread": spread_across_ranks(net),  # 2 nodes: both mix the same two public copies
+        "node_spread": spread_in(topo.intra_node_group, net),
+        "off_mean": (weights(net) - mean).abs().max().item(),
+    }
+    out["round_trip"], out["state"] = round_trip(
+        "low_precision_decentralized", period=2, hierarchical=True, fragments=2, delay=1
+    )
+    return out
+
+
+def test_low_precision_decentralized_hierarchical():
+    for r in launch.run(low_precision_rounds, 4, env=NODES, timeout=120):
+        assert r["spread"] == 0.0 and r["node_spread"] == 0.0
+        assert r["off_mean"] < 0.05  # the mean of the two node means, to 8 bits
+        assert r["round_trip"] == 0.0
+        assert r["state"]["state"]["nodes"]["layout"] == [2, 2, r["state"]["state"]["nodes"]["layout"][2]]
+
+
+# ---- diloco -----------------------------------------------------------------------------------
+
+
+def diloco_against_flat():
+    """fp32: the hierarchical average of the pseudo-gradients is the flat one (streamed alike);
+    int8: replicas equal after every outer step; both: exact state round trip."""
+    torch.manual_seed(0)
+    base = MLP()
+    options = {"period": 4, "fragments": 2, "delay": 1}
+    hier = wrap(base, "diloco", hierarchical=True, **options)
+    flat = wrap(base, "diloco", **options)
+    int8 = wrap(base, "diloco", hierarchical=True, wire_dtype="int8", period=2, fragments=1, delay=0)
+    gaps, spreads = [], []
+    for s in range(8):
+        step([hier, flat, int8], s)
+        gaps.append(max_diff(hier[0], flat[0]))
+        spreads.append(spread_across_ranks(int8[0]))
+    state = int8[2].algorithm_state
+    out = {"gaps": gaps, "int8_spreads": spreads, "feedback": state.feedback[0].numel()}
+    out["shard"] = state.nodes.averages[0].feedback_numel
+    out["round_trip"] = round_trip("diloco", hierarchical=True, **options)[0]
+    out["round_trip_int8"] = round_trip("diloco", hierarchical=True, wire_dtype="int8", period=2, delay=1)[0]
+    return out
+
+
+def test_diloco_hierarchical():
+    for r in launch.run(diloco_against_flat, 4, env=NODES, timeout=120):
+        assert max(r["gaps"]) < 1e-5, r["gaps"]
+        assert r["int8_spreads"][1] == 0.0 and r["int8_spreads"][3] == 0.0  # after each outer step
+        assert r["int8_spreads"][2] > 0
+        assert r["feedback"] == r["shard"]  # the error feedback of this rank's shard only
+        assert r["round_trip"] == 0.0 and r["round_trip_int8"] == 0.0

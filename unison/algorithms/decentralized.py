@@ -125,10 +125,10 @@ class Decentralized(Streamed[DecentralizedState]):
         f = fragment
         if state.nodes is not None:  # the node's mean, shards mixed across nodes
             with torch.no_grad():
-                at_launch = [p.detach().clone() for p in state.fragments[f]]
+                values = [p.detach().clone() for p in state.fragments[f]]
             round_index = (state.count.steps - 1) // self.period
-            return state.nodes.submit(state, f, lambda avg: self._node_round(state, f, avg, at_launch, round_index)), (
-                at_launch if state.late else None
+            return state.nodes.submit(state, f, lambda avg: self._node_round(state, f, avg, values, round_index)), (
+                values if state.late else None
             )
         if self.peer_selection == "all":
             with torch.no_grad():

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage, average_
+from ..engine.comm import Waitable
 from ..replica import Replica
 from .options import Bool, Int
 from .periodic import StepCount
@@ -102,7 +103,7 @@ class LocalSGD(Streamed[LocalSGDState]):
             tensors = replica.parameters + [b for _, b in replica.float_buffers]
             state.bytes_sent += average_(tensors, state.intra)
 
-    def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[AsyncAverage, Any]:
+    def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[Waitable, Any]:
         """Start averaging ``fragment``; keep its values when the average lands late."""
         tensors = state.fragments[fragment]
         with torch.no_grad():

@@ -21,6 +21,10 @@ from .averaging import average_async
 from .buckets import split
 from .comm import start, wait
 
+# torch 2.13 names them ``*_single`` (the ``*_tensor`` names warn); older versions have only those.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class Nodes:
@@ -66,7 +70,7 @@ class Shards:
                 self.shard.copy_(self.flat)
                 return self.shard
             self.flat.div_(self.nodes.local_size)
-            wait(start(dist.reduce_scatter_tensor, self.shard, self.flat, group=self.nodes.intra))
+            wait(start(_REDUCE_SCATTER, self.shard, self.flat, group=self.nodes.intra))
         self.intra_bytes += (self.nodes.local_size - 1) * self.shard_nbytes
         return self.shard
 
@@ -76,7 +80,7 @@ class Shards:
             if self.nodes.local_size == 1:
                 self.flat.copy_(piece)
             else:
-                wait(start(dist.all_gather_into_tensor, self.flat, piece.contiguous(), group=self.nodes.intra))
+                wait(start(_ALL_GATHER, self.flat, piece.contiguous(), group=self.nodes.intra))
                 self.intra_bytes += (self.nodes.local_size - 1) * self.shard_nbytes
         return self.views
 
@@ -105,7 +109,7 @@ class NodeAverage:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], nodes: Nodes) -> None:
-        self.nodes = nodes
+        self.nodes, self.tensors = nodes, list(tensors)
         self.kinds, self.order = shards_of(tensors, nodes)
         self.inter_bytes = 0
 
