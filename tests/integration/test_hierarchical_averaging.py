@@ -225,3 +225,91 @@ def test_diloco_hierarchical():
         assert r["int8_spreads"][2] > 0
         assert r["feedback"] == r["shard"]  # the error feedback of this rank's shard only
         assert r["round_trip"] == 0.0 and r["round_trip_int8"] == 0.0
+
+
+# ---- async ------------------------------------------------------------------------------------
+
+
+def async_rounds():
+    """Rounds with nobody training pull every replica to one value; bytes across nodes are shards."""
+    torch.manual_seed(0)
+    net, opt, model = wrap(MLP(), "async", sync_interval_ms=5, hierarchical=True)
+    for s in range(6):
+        step([(net, opt, model)], s)
+    state = model.algorithm_state
+    thread, start, deadline = state.thread, state.rounds, time.monotonic() + 60
+    while state.rounds < start + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = {"idle_spread": spread_across_ranks(net), "node_spread": spread_in(unison.topology().intra_node_group, net)}
+    model.average()
+    node = thread.buffers.node
+    per_round = ring_bytes(sum(k.shard_nbytes for k in node.kinds), 2)
+    out.update(rounds=state.rounds, inter=node.inter_bytes, per_round=per_round, spread=spread_across_ranks(net))
+    return out
+
+
+def test_async_hierarchical():
+    for r in launch.run(async_rounds, 4, env=NODES, timeout=120):
+        assert r["idle_spread"] < 1e-6 and r["node_spread"] < 1e-6
+        assert r["spread"] == 0.0
+        assert r["rounds"] >= 3 and r["inter"] == r["rounds"] * r["per_round"]
+
+
+# ---- switches and layouts ---------------------------------------------------------------------
+
+
+SWITCHES = [
+    ("local_sgd", {"period": 2, "local_period": 1, "hierarchical": True}),
+    ("decentralized", {"period": 2, "peer_selection": "ring", "hierarchical": True}),
+    ("decentralized", {"period": 2, "peer_selection": "ring"}),
+    ("low_precision_decentralized", {"period": 2, "hierarchical": True}),
+    ("low_precision_decentralized", {"period": 2}),
+    ("diloco", {"period": 2, "wire_dtype": "int8", "hierarchical": True}),
+    ("diloco", {"period": 2}),
+    ("async", {"sync_interval_ms": 5, "hierarchical": True}),
+    ("local_sgd", {"period": 2}),
+]
+
+
+def switch_mid_run():
+    torch.manual_seed(0)
+    net, opt, model = wrap(MLP(), "local_sgd", period=2)
+    spreads, s = [], 0
+    for name, options in SWITCHES:
+        for _ in range(4):
+            step([(net, opt, model)], s)
+            s += 1
+        model.switch_to(unison.algorithms.create(name, **options))
+        spreads.append(spread_across_ranks(net))  # a switch averages the replicas
+    for _ in range(4):
+        step([(net, opt, model)], s)
+        s += 1
+    model.average()
+    spreads.append(spread_across_ranks(net))
+    return spreads
+
+
+def test_switch_between_flat_and_hierarchical_mid_run():
+    for spreads in launch.run(switch_mid_run, 4, env=NODES, timeout=180):
+        assert max(spreads) < 1e-6, spreads
+
+
+def one_process_per_node():
+    torch.manual_seed(0)
+    base = MLP()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hier = wrap(base, "decentralized", hierarchical=True, period=1, fragments=1, delay=0)
+    flat = wrap(base, "decentralized", period=1, fragments=1, delay=0)
+    for s in range(3):
+        step([hier, flat], s)
+    return {
+        "warned": [str(w.message) for w in caught if "one process per node" in str(w.message)],
+        "flat": hier[2].algorithm_state.nodes is None,
+        "gap": max_diff(hier[0], flat[0]),
+    }
+
+
+def test_one_process_per_node_runs_flat_with_a_warning():
+    for r in launch.run(one_process_per_node, 2, env=NODES, timeout=60):
+        assert r["warned"] and r["flat"] and r["gap"] == 0.0
