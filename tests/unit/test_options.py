@@ -76,6 +76,7 @@ def test_options_written_in_the_name():
         "communication_interval": 4,
         "fragments": None,
         "delay": None,
+        "hierarchical": False,
     }
     assert create("powersgd:rank=2", start_iter=0).options["rank"] == 2
     with pytest.raises(ValueError, match="key=value"):

@@ -17,11 +17,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..engine.node_average import Nodes
 from ..replica import Replica
 from ..runtime import collective_timeout
-from .averaging_thread import AveragingThread
+from .async_nodes import NodeRound
+from .averaging_thread import AveragingThread, FlatRound
 from .base import Algorithm
-from .options import Int, Number
+from .node_layout import node_groups
+from .options import Bool, Int, Number
 from .periodic import CountedState, StepCount
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
@@ -44,6 +47,7 @@ class AsyncState(CountedState):
         "may_run",
         "broken",
         "rounds",
+        "nodes",
     )
 
     def __init__(
@@ -63,6 +67,11 @@ class AsyncState(CountedState):
         self.may_run = group is not None  # False once a peer stopped, until average()
         self.broken = False  # the thread failed: it never starts again
         self.rounds = 0
+        self.nodes: Optional[Nodes] = None  # hierarchical: the node layout of the rounds
+
+    def new_round(self) -> FlatRound:
+        """The buffers of the thread's rounds: flat, or averaged inside the node first."""
+        return FlatRound(self.params, self.group) if self.nodes is None else NodeRound(self.params, self.nodes)
 
     @property
     def running(self) -> bool:
@@ -119,6 +128,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     Args:
         sync_interval_ms: the pause between two averaging rounds, in milliseconds.
         warmup_steps: training steps of synchronous gradient averaging first.
+        hierarchical: each round averages inside the node first; shards cross nodes (``async_nodes``).
 
     Example::
 
@@ -130,6 +140,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     needs_optimizers = True
     sync_interval_ms = Number(50.0)
     warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
+    hierarchical = Bool(False)
 
     @property
     def reduces_gradients(self) -> bool:  # type: ignore[override]  # the gradient engine runs for the warm-up only
@@ -142,6 +153,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
         params = [p for _, p in replica.trainable]
         group = replica.private_group("async") if replica.distributed and params else None
         state = AsyncState(params, group, self.sync_interval_ms / 1000.0, self.warmup_steps)
+        state.nodes = node_groups(replica, self.name, "async/nodes") if self.hierarchical and group else None
         if group is not None:
             replica.on_optimizer_step(before=lambda _o: state.hold(), after=lambda _o: state.let_go())
         return state

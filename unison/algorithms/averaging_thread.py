@@ -156,7 +156,7 @@ class AveragingThread(threading.Thread):
         """Average the snapshots and add (average - own snapshot) to the parameters."""
         s = self.state
         if self.buffers is None:
-            self.buffers = FlatRound(s.params, s.group)
+            self.buffers = s.new_round()  # a FlatRound (hierarchical: async_nodes.NodeRound)
         buffers, params = self.buffers, self.buffers.ordered([p.data for p in s.params])  # .data: no version bump
         with s.lock:
             buffers.snapshot(params)

@@ -6,6 +6,10 @@ peers right after the optimizer step: all of them (one allreduce), one partner
 changing every round (``shift_one``, a round-robin tournament), or its two ring
 neighbours (``ring``). Buffers stay local until ``model.average()``.
 
+With ``hierarchical=True`` a round first averages each node inside, then each
+local rank mixes its shard of the node's mean with the same shard of the peer
+nodes (peers are nodes), and the node gathers the shards (``node_rounds``).
+
 Rounds are streamed as local SGD's averages are (``streaming.Stagger``):
 ``fragments`` of the weights mix in turn across the period, each round's
 messages travel for ``delay`` steps, and when they land every rank adds the
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage
 from ..engine.comm import Waitable
+from ..engine.node_average import NodeAverage
 from ..replica import Replica
 from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
@@ -61,6 +66,7 @@ class Decentralized(Streamed[DecentralizedState]):
         period: training steps between two rounds, 1 for every step (alias
             ``communication_interval``, Bagua's name).
         fragments, delay: how the rounds are streamed (see ``streaming.Streamed``).
+        hierarchical: nodes average inside first; peers are nodes (``shift_one``: an even node count).
 
     Example::
 
@@ -77,7 +83,7 @@ class Decentralized(Streamed[DecentralizedState]):
     def setup(self, replica: Replica) -> DecentralizedState:
         self.check_optimizers(replica)
         world = replica.world_size
-        if self.peer_selection == "shift_one" and world > 1 and world % 2:
+        if self.peer_selection == "shift_one" and world > 1 and world % 2 and not self.hierarchical:
             raise ValueError(
                 f"decentralized with peer_selection='shift_one' pairs the ranks, so it needs an even world size, "
                 f"got {world}; use peer_selection='ring' or 'all'"
@@ -89,29 +95,48 @@ class Decentralized(Streamed[DecentralizedState]):
         state = DecentralizedState(
             count, replica.private_group("decentralized"), [[p for _, p in f] for f in fragments]
         )
-        if self.peer_selection != "all":
-            peers = len(self._peers(replica, 0))
+        state.nodes = self.node_rounds(replica, state.fragments)
+        if state.nodes is not None:
+            nodes = state.nodes.nodes
+            if self.peer_selection == "shift_one" and nodes.count > 1 and nodes.count % 2:
+                raise ValueError(
+                    f"hierarchical decentralized with peer_selection='shift_one' pairs the nodes, so it needs an even "
+                    f"number of nodes, got {nodes.count}; use peer_selection='ring' or 'all'"
+                )
+            peers = len(self._peers(nodes.node, nodes.count, 0))
+            state.recv = [[[k.shard.clone() for _ in range(peers)] for k in a.kinds] for a in state.nodes.averages]
+        elif self.peer_selection == "shift_one" and world % 2:  # hierarchical, run flat: one process per node
+            raise ValueError(f"decentralized with peer_selection='shift_one' needs an even world size, got {world}")
+        elif self.peer_selection != "all":
+            peers = len(self._peers(replica.rank, replica.world_size, 0))
             state.flats = [flat_params_of(f) for f in fragments]
             state.recv = [[[fl.like() for _ in range(peers)] for fl in flats] for flats in state.flats]
         self.stream(replica, state, len(fragments))
         return state
 
-    def _peers(self, replica: Replica, round_index: int) -> list[int]:
-        """The group ranks this rank mixes with in round ``round_index`` (point-to-point modes)."""
-        if self.peer_selection == "shift_one":
-            return [round_robin_partner(replica.rank, replica.world_size, round_index)]
-        return ring_neighbours(replica.rank, replica.world_size)
+    def _peers(self, rank: int, world: int, round_index: int) -> list[int]:
+        """The ranks (of nodes, hierarchical) ``rank`` mixes with in round ``round_index`` (point to point)."""
+        if self.peer_selection == "shift_one" and world > 1:
+            return [round_robin_partner(rank, world, round_index)]
+        return ring_neighbours(rank, world)
 
     def launch(self, replica: Replica, state: DecentralizedState, fragment: int) -> tuple[Waitable, Any]:
         """Start ``fragment``'s round: an allreduce for "all", otherwise a point-to-point exchange."""
         f = fragment
+        if state.nodes is not None:  # the node's mean, shards mixed across nodes
+            with torch.no_grad():
+                values = [p.detach().clone() for p in state.fragments[f]]
+            round_index = (state.count.steps - 1) // self.period
+            return state.nodes.submit(state, f, lambda avg: self._node_round(state, f, avg, values, round_index)), (
+                values if state.late else None
+            )
         if self.peer_selection == "all":
             with torch.no_grad():
                 at_launch = [p.detach().clone() for p in state.fragments[f]] if state.late else None
             pending = AsyncAverage(state.fragments[f], state.group)
             state.bytes_sent += pending.wire_bytes
             return pending, at_launch
-        peers = self._peers(replica, (state.count.steps - 1) // self.period)
+        peers = self._peers(replica.rank, replica.world_size, (state.count.steps - 1) // self.period)
         sends, recvs, first = [], [], sum(len(flats) for flats in state.flats[:f])
         for tag, (fl, bufs) in enumerate(zip(state.flats[f], state.recv[f]), start=first):
             mine = fl.gather()  # stays untouched until the merge: the weights at launch
@@ -122,11 +147,30 @@ class Decentralized(Streamed[DecentralizedState]):
             fl.flat for fl in state.flats[f]
         ]
 
+    def _node_round(
+        self, state: DecentralizedState, f: int, avg: NodeAverage, values: list[torch.Tensor], round_index: int
+    ) -> list[torch.Tensor]:
+        """On the rounds' thread: the node's mean of ``values``, each shard mixed with the peer nodes'."""
+        nodes = avg.nodes
+        if self.peer_selection == "all":
+            return [v.clone() for v in avg.run(values)]
+        peers = self._peers(nodes.node, nodes.count, round_index)
+        pieces = avg.scatter(values)
+        sends = [(piece, peer, tag) for tag, piece in enumerate(pieces) for peer in peers]
+        recvs = [(buf, peer, tag) for tag, bufs in enumerate(state.recv[f]) for buf, peer in zip(bufs, peers)]
+        exchange(sends, recvs, nodes.inter)
+        avg.inter_bytes += sum(piece.numel() * piece.element_size() for piece in pieces) * len(peers)
+        for piece, bufs in zip(pieces, state.recv[f]):
+            for buf in bufs:
+                piece.add_(buf)
+            piece.div_(len(bufs) + 1)
+        return [v.clone() for v in avg.gather(pieces)]
+
     def merge(self, replica: Replica, state: DecentralizedState, fragment: int, result: Any, extra: Any) -> None:
         """Write ``fragment``'s round into the weights (adding the change it makes when it lands late)."""
         f, at_launch = fragment, extra
         with torch.no_grad():
-            if self.peer_selection == "all":
+            if self.peer_selection == "all" or state.nodes is not None:
                 if state.late:  # keep the local steps taken while the round travelled
                     torch._foreach_sub_(result, at_launch)
                     torch._foreach_add_(state.fragments[f], result)

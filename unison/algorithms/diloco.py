@@ -16,83 +16,19 @@ See docs/algorithms.md#diloco.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from ..engine.averaging import average_async
 from ..engine.codecs import WIRE_DTYPES
 from ..engine.comm import Finished, Waitable
 from ..replica import Replica
+from .diloco_state import DiLoCoState
 from .options import Bool, Choice, Int, Number
 from .periodic import StepCount
-from .streamed import Streamed, StreamedState
+from .streamed import Streamed
 from .streaming import Stagger, default_schedule, fragments_of
-
-
-class DiLoCoState(StreamedState):
-    """The outer optimizer and the snapshot it steps (the reference weights, one piece per
-    fragment's share of a parameter), the step count, and the syncs in flight."""
-
-    __slots__ = ("names", "params", "buffers", "snapshot", "outer", "group", "fragments", "feedback")
-
-    def __init__(
-        self,
-        count: StepCount,
-        fragments: list[list[tuple[str, torch.Tensor]]],
-        buffers: list[torch.Tensor],
-        outer: dict[str, Any],
-        group: Optional[dist.ProcessGroup],
-    ) -> None:
-        super().__init__(count)
-        pieces = [piece for fragment in fragments for piece in fragment]
-        self.names = [n for n, _ in pieces]
-        self.params = [p for _, p in pieces]
-        self.fragments: list[range] = []  # per fragment, the indices of its pieces
-        first = 0
-        for fragment in fragments:
-            self.fragments.append(range(first, first + len(fragment)))
-            first += len(fragment)
-        self.buffers = buffers  # floating-point buffers, averaged with the last fragment's pseudo-gradient
-        with torch.no_grad():  # detached copies: the outer and inner optimizers' gradients never meet
-            self.snapshot = [nn.Parameter(p.detach().clone()) for p in self.params]
-        self.outer = torch.optim.SGD(self.snapshot, **outer)
-        self.group = group  # None: one process, the average is the replica itself
-        self.feedback: dict[int, torch.Tensor] = {}  # int8 wire: per fragment, the quantization error carried
-
-    def state_dict(self) -> dict[str, Any]:
-        feedback = {"feedback": {f: e.clone() for f, e in self.feedback.items()}} if self.feedback else {}
-        return {
-            "steps": self.steps,
-            "snapshot": {n: s.detach().clone() for n, s in zip(self.names, self.snapshot)},
-            "outer_optimizer": self.outer.state_dict(),
-            "in_flight": [],
-            **self.streams_state(),
-            **feedback,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore exactly; the outer optimizer keeps this run's options (lr, momentum, nesterov)."""
-        expected = {"steps", "snapshot", "outer_optimizer"}
-        if not expected <= set(state) <= expected | {"in_flight", "merged", "feedback"}:
-            raise ValueError(
-                f"diloco state must have keys {sorted(expected)} (and 'in_flight', 'feedback'), got {sorted(state)}"
-            )
-        missing = [n for n in self.names if n not in state["snapshot"]]
-        if missing:
-            raise ValueError(f"diloco state has no snapshot of {missing[0]!r}: was it saved with other fragments?")
-        self.load_streams(state)
-        self.feedback = {int(f): e.clone() for f, e in state.get("feedback", {}).items()}
-        self.count.load_state_dict(state)
-        with torch.no_grad():
-            for n, s in zip(self.names, self.snapshot):
-                s.copy_(state["snapshot"][n])
-        options = [{k: g[k] for k in ("lr", "momentum", "nesterov")} for g in self.outer.param_groups]
-        self.outer.load_state_dict(state["outer_optimizer"])
-        for group, values in zip(self.outer.param_groups, options):
-            group.update(values)
 
 
 class DiLoCo(Streamed[DiLoCoState]):
@@ -104,7 +40,10 @@ class DiLoCo(Streamed[DiLoCoState]):
         outer_momentum: its momentum, in [0, 1) (the paper's 0.9: see the docs).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
         wire_dtype: ``"fp32"`` (the parameters' own dtype), ``"bf16"``, ``"fp16"``, or
-            ``"int8"`` (8-bit min-max codes with error feedback) for the pseudo-gradients.
+            ``"int8"`` (8-bit min-max codes with error feedback) for the pseudo-gradients
+            (hierarchical: across nodes only; the node averages inside in full precision).
+        hierarchical: the node averages the pseudo-gradients inside, each local rank carries
+            its shard across nodes, the node gathers; every process then takes the outer step.
         fragments, delay: how the outer syncs are streamed (streaming DiLoCo; see
             ``streamed.Streamed``); ``fragments`` defaults to 1 with ``overlap``.
         mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
@@ -152,8 +91,14 @@ class DiLoCo(Streamed[DiLoCoState]):
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
         state = DiLoCoState(StepCount(self.period), fragments, buffers, outer, group)
+        if group is not None:
+            state.nodes = self.node_rounds(replica, [sum(self._tensors(state, f), []) for f in range(len(fragments))])
         self.stream(replica, state, len(state.fragments))
         return state
+
+    @property
+    def int8(self) -> bool:
+        return self.wire_dtype == "int8"
 
     def _tensors(self, state: DiLoCoState, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Fragment ``f``'s parameter pieces and buffers (the last fragment carries the buffers)."""
@@ -171,8 +116,17 @@ class DiLoCo(Streamed[DiLoCoState]):
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
-                numel = sum(t.numel() for t in tensors) if self.wire_dtype == "int8" else 0
+                node = state.nodes.averages[f] if state.nodes is not None else None  # hierarchical: shards
+                numel = (node.feedback_numel if node else sum(t.numel() for t in tensors)) if self.int8 else 0
                 feedback = state.feedback.setdefault(f, torch.zeros(numel, device=tensors[0].device)) if numel else None
+                if feedback is not None and feedback.numel() != numel:
+                    raise ValueError(
+                        f"diloco's error feedback of fragment {f} has {feedback.numel()} values, this run needs "
+                        f"{numel}: was the state saved with another node layout or hierarchical setting?"
+                    )
+                if state.nodes is not None:  # on a thread: the buffers are copied now
+                    values = tensors[: len(params)] + [b.detach().clone() for b in buffers]
+                    return state.nodes.average(state, f, values, self.wire_dtype, feedback), at_launch
                 pending = average_async(tensors, state.group, self.wire_dtype, feedback)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch

@@ -10,7 +10,10 @@ the local steps it took meanwhile (``weights + average - weights_at_launch``).
 
 With ``hierarchical=True`` the processes of a node also average among
 themselves every ``local_period`` steps (cheap, over the node's fast link, and
-blocking), and across nodes only every ``period`` steps. Parameters and
+blocking), and across nodes only every ``period`` steps: the node averages
+inside, each local rank averages its shard with the other nodes', the node
+gathers the shards (``node_rounds``), so a node's link carries one copy per
+node. Parameters and
 floating-point buffers (BatchNorm statistics) are averaged; the optimizers'
 states stay local.
 """
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage, average_
+from ..engine.comm import Waitable
 from ..replica import Replica
 from .options import Bool, Int
 from .periodic import StepCount
@@ -50,7 +54,8 @@ class LocalSGD(Streamed[LocalSGDState]):
         period: average the weights every this many steps (alias
             ``communication_interval``).
         warmup_steps: steps of synchronous gradient averaging first.
-        hierarchical: also average inside each node every ``local_period`` steps.
+        hierarchical: also average inside each node every ``local_period`` steps; the
+            periodic averages cross nodes once per node (shards of the node's mean).
         local_period: the node's averaging period (smaller than ``period``).
         fragments, delay: how the averages are streamed (see ``streaming.Streamed``).
 
@@ -77,17 +82,14 @@ class LocalSGD(Streamed[LocalSGDState]):
 
     def setup(self, replica: Replica) -> LocalSGDState:
         self.check_optimizers(replica)
-        intra = None
-        if self.hierarchical and replica.group is not None:
-            topo = replica.topology
-            if topo.world_size != dist.get_world_size() or replica.group is not dist.group.WORLD:
-                raise ValueError("hierarchical local_sgd needs unison.init() and the whole world as its process group")
-            intra = replica.private_group("local_sgd/intra", topo.intra_node_group)
         named = replica.named_parameters + replica.float_buffers
         fragments = [[t for _, t in f] for f in fragments_of(named, self.schedule().fragments)]
-        state = LocalSGDState(StepCount(self.period, self.warmup_steps), intra, fragments)
+        state = LocalSGDState(StepCount(self.period, self.warmup_steps), None, fragments)
         if replica.group is not None:
             state.group = replica.private_group("local_sgd")
+            state.nodes = self.node_rounds(replica, fragments)
+            if state.nodes is not None:  # the node's own averages, every local_period steps
+                state.intra = replica.private_group("local_sgd/intra", replica.topology.intra_node_group)
             self.stream(replica, state, len(fragments))
         return state
 
@@ -101,11 +103,14 @@ class LocalSGD(Streamed[LocalSGDState]):
             tensors = replica.parameters + [b for _, b in replica.float_buffers]
             state.bytes_sent += average_(tensors, state.intra)
 
-    def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[AsyncAverage, Any]:
+    def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[Waitable, Any]:
         """Start averaging ``fragment``; keep its values when the average lands late."""
         tensors = state.fragments[fragment]
         with torch.no_grad():
             at_launch = [t.detach().clone() for t in tensors] if state.late else None
+        if state.nodes is not None:  # the node's mean, shards across nodes
+            values = at_launch if at_launch is not None else [t.detach().clone() for t in tensors]
+            return state.nodes.average(state, fragment, values), at_launch
         pending = AsyncAverage(tensors, state.group)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch

@@ -7,7 +7,9 @@ decoded difference to the matching copy, and sets its weights to the average
 of the copies in its neighbourhood (Bagua's algorithm). Rounds are streamed
 as decentralized's are (``streaming.Stagger``: ``fragments`` in turn, each
 round's messages travelling for ``delay`` steps, the local steps taken
-meanwhile kept).
+meanwhile kept). With ``hierarchical=True`` the node averages inside first and the
+ring is one of nodes: each local rank gossips its shard of the node's mean, with
+its own copies (``low_precision_copies.NodeCopies``).
 See docs/algorithms.md#low_precision_decentralized.
 """
 
@@ -18,41 +20,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.codecs import MinMax8
 from ..engine.comm import Waitable
 from ..replica import Replica
-from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours
+from .gossip import Received, exchange, flat_params_of, ring_neighbours
+from .low_precision_copies import Copies, NodeCopies
 from .options import Int
 from .periodic import StepCount
 from .streamed import Streamed, StreamedState
 from .streaming import fragments_of
 
-#: Values per quantization chunk (each has its own float32 min and scale).
-CHUNK_SIZE = 1024
-
-
-class Copies:
-    """One flat group's public copy, neighbour replicas, codec and message buffers."""
-
-    def __init__(self, flat: FlatParams, neighbours: list[int]) -> None:
-        self.flat = flat
-        start = flat.gather()
-        self.public = start.clone()
-        self.replicas = [start.clone() for _ in neighbours]
-        self.codec = MinMax8(flat.numel, chunk_size=CHUNK_SIZE, device=start.device)
-        self.send = self.codec.empty()
-        self.received = [self.codec.empty() for _ in neighbours]
-        self.mix = flat.like()
-
-    def decoded(self, message: torch.Tensor) -> torch.Tensor:
-        """The difference ``message`` carries (a view of the codec's buffer, valid until the next call)."""
-        return self.codec.decode(message).view(-1)[: self.flat.numel]
-
 
 class LowPrecisionState(StreamedState):
     """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
-    __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments")
+    __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments", "shards")
 
     def __init__(
         self,
@@ -69,40 +50,45 @@ class LowPrecisionState(StreamedState):
         self.refresh = False  # the next round first resends the public copies in full precision
         self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
         self.fragments: list[list[int]] = []  # per fragment, the indices of its copies
+        self.shards: Optional[NodeCopies] = None  # hierarchical: the copies of this rank's shards
 
     def state_dict(self) -> dict[str, Any]:
-        """Step count, public copy and replicas (by neighbour rank), per parameter name."""
-        if not self.copies:
+        """Step count, public copy and replicas (by neighbour rank), per parameter name (hierarchical:
+        the layout and this rank's shards' copies, under ``nodes``)."""
+        if not self.copies and self.shards is None:
             return {"steps": self.count.steps, **self.loaded}
-        public: dict[str, torch.Tensor] = {}
-        replicas: dict[int, dict[str, torch.Tensor]] = {peer: {} for peer in self.neighbours}
-        for c in self.copies:
-            public.update(c.flat.by_name(c.public))
-            for peer, replica in zip(self.neighbours, c.replicas):
-                replicas[peer].update(c.flat.by_name(replica))
-        in_flight = self.streams.state_dict() if self.streams else []
-        return {
-            "steps": self.count.steps,
-            "rank": self.rank,
-            "public": public,
-            "replicas": replicas,
-            "in_flight": in_flight,
-        }
+        in_flight = self.streams.state_dict() if self.streams else []  # first: hierarchical rounds update the copies
+        out: dict[str, Any] = {"steps": self.count.steps, "rank": self.rank}
+        if self.shards is not None:
+            out["nodes"] = self.shards.state_dict()
+        else:
+            public: dict[str, torch.Tensor] = {}
+            replicas: dict[int, dict[str, torch.Tensor]] = {peer: {} for peer in self.neighbours}
+            for c in self.copies:
+                public.update(c.flat.by_name(c.public))
+                for peer, replica in zip(self.neighbours, c.replicas):
+                    replicas[peer].update(c.flat.by_name(replica))
+            out.update(public=public, replicas=replicas)
+        return {**out, "in_flight": in_flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the count and copies; the next round refreshes the replicas (see the docs)."""
-        unknown = sorted(set(state) - {"steps", "rank", "public", "replicas", "in_flight"})
+        unknown = sorted(set(state) - {"steps", "rank", "public", "replicas", "in_flight", "nodes"})
         if unknown:
             raise ValueError(
                 f"low_precision_decentralized state has unknown entries {unknown}; expected steps, rank, public, replicas, in_flight"
             )
         self.count.steps = int(state["steps"])
-        loaded: dict[str, Any] = {k: state[k] for k in ("rank", "public", "replicas") if k in state}
-        if not self.copies:
+        loaded: dict[str, Any] = {k: state[k] for k in ("rank", "public", "replicas", "nodes") if k in state}
+        if not self.copies and self.shards is None:
             self.loaded = loaded
             return
+        if ("nodes" in loaded and self.shards is None) or ("public" in loaded and self.shards is not None):
+            raise ValueError("a hierarchical low_precision_decentralized state loads only into a hierarchical one")
         if self.streams:
             self.streams.load_state_dict(state.get("in_flight", []))
+        if self.shards is not None and "nodes" in loaded:
+            self.shards.load_state_dict(loaded["nodes"])
         if "public" not in loaded:
             return
         same_ring = loaded.get("rank") == self.rank and sorted(loaded.get("replicas", {})) == sorted(self.neighbours)
@@ -120,7 +106,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     Args:
         period: optimizer steps between two rounds (1: every step); alias
             ``communication_interval`` (Bagua's name).
-        fragments, delay: how the rounds are streamed (see ``streaming.Streamed``).
+        fragments, delay, hierarchical: see ``streamed.Streamed`` (hierarchical: the ring is of nodes).
 
     Example::
 
@@ -139,6 +125,13 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         count = StepCount(self.period)
         if not replica.distributed:
             return LowPrecisionState(count, replica.rank)
+        state = LowPrecisionState(count, replica.rank, replica.private_group(self.name))
+        pieces = [[p for _, p in f] for f in fragments_of(replica.trainable, self.schedule().fragments)]
+        state.nodes = self.node_rounds(replica, pieces)
+        if state.nodes is not None:
+            state.shards = NodeCopies(state.nodes)
+            self.stream(replica, state, len(pieces))
+            return state
         neighbours = ring_neighbours(replica.rank, replica.world_size)
         copies: list[Copies] = []
         fragments: list[list[int]] = []
@@ -146,14 +139,17 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
             flats = flat_params_of(piece)
             fragments.append(list(range(len(copies), len(copies) + len(flats))))
             copies += [Copies(f, neighbours) for f in flats]
-        state = LowPrecisionState(count, replica.rank, replica.private_group(self.name), neighbours, copies)
-        state.fragments = fragments
+        state.neighbours, state.copies, state.fragments = neighbours, copies, fragments
         self.stream(replica, state, len(fragments))
         return state
 
     def launch(self, replica: Replica, state: LowPrecisionState, fragment: int) -> tuple[Waitable, Any]:
         """Send ``fragment``'s 8-bit differences and start receiving the neighbours'."""
         f = fragment
+        if state.shards is not None and state.nodes is not None:  # shards of the node's mean, across nodes
+            with torch.no_grad():
+                values = [p.detach().clone() for p in state.nodes.averages[f].tensors]
+            return state.shards.launch(state, f, values), values
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
@@ -171,15 +167,20 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     def merge(self, replica: Replica, state: LowPrecisionState, fragment: int, result: Any, extra: Any) -> None:
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
         f, messages, at_launch = fragment, result, extra
+        if state.nodes is not None:  # the mixed weights, gathered in the node
+            with torch.no_grad():
+                if state.late:  # keep the local steps taken while the round travelled
+                    torch._foreach_sub_(result, at_launch)
+                    torch._foreach_add_(state.nodes.averages[f].tensors, result)
+                else:
+                    torch._foreach_copy_(state.nodes.averages[f].tensors, result)
+            return
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]
             c.public.add_(c.decoded(sent))
             for copy, message in zip(c.replicas, received):
                 copy.add_(c.decoded(message))
-            c.mix.copy_(c.public)
-            for copy in c.replicas:
-                c.mix.add_(copy)
-            c.mix.div_(len(c.replicas) + 1)
+            c.mixed()
             if state.late:
                 c.flat.add_to_params(c.mix.sub_(x0))
             else:

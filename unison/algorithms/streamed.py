@@ -13,7 +13,9 @@ import torch
 from ..engine.comm import Waitable
 from ..replica import Replica
 from .base import Algorithm
-from .options import Int
+from .node_layout import node_groups
+from .node_rounds import NodeRounds
+from .options import Bool, Int
 from .periodic import CountedState, StepCount
 from .streaming import Stagger, Streams, default_schedule
 
@@ -22,11 +24,16 @@ class StreamedState(CountedState):
     """Base of a streamed algorithm's state: the step count and the syncs in flight
     (``streams`` is None on a replica alone: nothing to sync)."""
 
-    __slots__ = ("streams",)
+    __slots__ = ("streams", "nodes")
 
     def __init__(self, count: StepCount) -> None:
         super().__init__(count)
         self.streams: Optional[Streams] = None
+        self.nodes: Optional[NodeRounds] = None  # hierarchical: the node layout and its rounds' thread
+
+    def close(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
 
     @property
     def late(self) -> bool:
@@ -68,6 +75,8 @@ class Streamed(Algorithm[T]):
     Options (besides each algorithm's ``period``):
         fragments: how many fragments of the weights sync in turn across the
             period (default ``min(4, period)``).
+        hierarchical: average inside each node first; syncs cross nodes from every local
+            rank with its shard (``node_rounds``).
         delay: steps a sync travels before it is merged, less than ``period``
             (default ``period // fragments // 2``; 0 blocks).
 
@@ -80,6 +89,7 @@ class Streamed(Algorithm[T]):
     period: int
     fragments = Int(None, optional=True)
     delay = Int(None, minimum=0, optional=True)
+    hierarchical = Bool(False)
 
     def validate(self) -> None:
         self.schedule()  # refuses fragments > period, delay >= period
@@ -101,6 +111,11 @@ class Streamed(Algorithm[T]):
             lambda f, result, extra: self.merge(replica, state, f, result, extra),
             redo=self.redoes_syncs,
         )
+
+    def node_rounds(self, replica: Replica, fragments: list[list[torch.Tensor]]) -> Optional[NodeRounds]:
+        """With ``hierarchical``, the node layout and the rounds' buffers for ``fragments`` (None: flat)."""
+        nodes = node_groups(replica, self.name, f"{self.name}/nodes") if self.hierarchical else None
+        return NodeRounds(nodes, fragments, self.name) if nodes is not None else None
 
     def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:
         """Start ``fragment``'s sync: ``(pending, extra)`` for ``merge``."""
