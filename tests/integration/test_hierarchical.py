@@ -1,0 +1,288 @@
+"""Hierarchical gradient algorithms on 4 gloo ranks as 2 nodes x 2 processes (``UNISON_NODES=2``):
+reduce-scatter inside the node, each shard across nodes by the algorithm's scheme, all-gather.
+
+Without compression hierarchical equals allreduce; PowerSGD is linear in the gradients it
+averages, so its hierarchical run equals its flat one; with a lossy codec the node's sum is
+what is compressed (checked bit for bit on the seam itself). Replicas stay identical, the
+algorithm's state round-trips, and a run switches between flat and hierarchical."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import launch
+import pytest
+import torch
+import torch.distributed as dist
+from models import MLP, batch
+from scenarios import max_diff, sgd, spread_across_ranks, step
+
+import unison
+from unison.engine.exchange import Exchange
+from unison.engine.hierarchy import TwoLevel, aligned_bounds, even_bounds
+
+NODES = {"UNISON_NODES": "2"}
+#: name -> (flat options, the largest relative gap to allreduce after STEPS steps)
+GRADIENT = {
+    "allreduce": ({}, 1e-6),
+    "nonblocking": ({}, 1e-6),
+    "fp16": ({}, 1e-3),
+    "bf16": ({}, 1e-2),
+    "bytegrad": ({"error_feedback": True, "chunk_size": 64}, 5e-2),
+    "powersgd": ({"rank": 2, "start_iter": 1}, 1.0),
+    "qadam": ({}, 1.0),
+}
+STEPS = 5
+
+
+def relative_gap(a, b) -> float:
+    num = sum(((p - q) ** 2).sum().item() for p, q in zip(a.parameters(), b.parameters()))
+    return (num / sum((p**2).sum().item() for p in a.parameters())) ** 0.5
+
+
+def optimizer(name, model):
+    if name == "qadam":
+        return unison.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+    return sgd(model)
+
+
+def wrap(name, net, opt, **options):
+    return unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create(name, **options))
+
+
+def side_by_side(name: str, options: dict) -> dict:
+    """allreduce, flat ``name`` and hierarchical ``name`` trained on the same batches."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = MLP(hidden=64)
+    nets = {k: copy.deepcopy(base) for k in ("ref", "flat", "hier")}
+    opts = {k: optimizer(name if k != "ref" else "allreduce", n) for k, n in nets.items()}
+    models = {
+        "ref": wrap("allreduce", nets["ref"], opts["ref"]),
+        "flat": wrap(name, nets["flat"], opts["flat"], **options),
+        "hier": wrap(name, nets["hier"], opts["hier"], hierarchical=True, **options),
+    }
+    for s in range(STEPS):
+        for k, model in models.items():
+            step(model, opts[k], [(rank, *batch(s, rank))])
+    for model in models.values():
+        model.flush()
+    out = {
+        "to_ref": relative_gap(nets["ref"], nets["hier"]),
+        "to_flat": relative_gap(nets["flat"], nets["hier"]),
+        "flat_to_ref": relative_gap(nets["ref"], nets["flat"]),
+        "spread": spread_across_ranks(nets["hier"]),
+        "bytes": models["hier"].comm_stats["bytes_last_step"],
+        "flat_bytes": models["flat"].comm_stats["bytes_last_step"],
+        "state": models["hier"].algorithm_state,
+    }
+    out["state"] = type(out["state"]).__name__
+    for model in models.values():
+        model.switch_to("allreduce")  # stops the algorithms' threads
+    return out
+
+
+def all_gradient_algorithms() -> dict:
+    return {name: side_by_side(name, options) for name, (options, _) in GRADIENT.items()}
+
+
+def node_sum_is_compressed() -> dict:
+    """The seam itself: the shard a process carries across nodes is its node's sum, compressed."""
+    topo = unison.runtime.topology()
+    two = TwoLevel(topo.intra_node_group, topo.inter_node_group, topo.local_rank, topo.local_world_size, 2)
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(topo.rank))
+    codec = {}
+
+    def eight_bit(shard, offset):
+        codec.setdefault("ex", Exchange(shard.numel(), 2, 64, shard.device)).run(shard, topo.inter_node_group)
+
+    out = two.run(x.clone(), eight_bit)
+    node = x.clone()
+    dist.all_reduce(node, group=topo.intra_node_group)
+    lo, hi = two.shard(two.bounds(x.numel()))
+    mine = node[lo:hi].clone()
+    Exchange(mine.numel(), 2, 64, mine.device).run(mine, topo.inter_node_group)
+    everywhere = out.clone()
+    dist.broadcast(everywhere, 0)
+    total = x.clone()
+    dist.all_reduce(total)
+
+    def plain(shard, offset):
+        dist.all_reduce(shard, group=topo.inter_node_group)
+
+    return {
+        "shard_equal": torch.equal(out[lo:hi], mine),
+        "same_everywhere": torch.equal(out, everywhere),
+        "plain_gap": (two.run(x.clone(), plain) - total).abs().max().item(),
+        "uneven_gap": (two.run(x.clone(), plain, [0, 600, 1001]) - total).abs().max().item(),
+        "empty_shard_gap": (two.run(x.clone(), plain, [0, 1001, 1001]) - total).abs().max().item(),
+    }
+
+
+def state_round_trip() -> dict:
+    """A hierarchical model's state dict (weights and the algorithm's rank-local state) restores exactly."""
+    rank = dist.get_rank()
+    out = {}
+    for name, options in (("bytegrad", GRADIENT["bytegrad"][0]), ("powersgd", GRADIENT["powersgd"][0])):
+        torch.manual_seed(0)
+        net = MLP(hidden=64)
+        opt = sgd(net)
+        model = wrap(name, net, opt, hierarchical=True, **options)
+        for s in range(3):
+            step(model, opt, [(rank, *batch(s, rank))])
+        saved, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        net2 = copy.deepcopy(net)
+        opt2 = sgd(net2)
+        opt2.load_state_dict(saved_opt)
+        restored = wrap(name, net2, opt2, hierarchical=True, **options)
+        restored.load_state_dict(saved)
+        for s in range(3, 6):
+            step(model, opt, [(rank, *batch(s, rank))])
+            step(restored, opt2, [(rank, *batch(s, rank))])
+        entry = saved["_unison_algorithm"]["state"]
+        tensors = entry["residuals"]
+        out[name] = {
+            "diff": max_diff(net, net2),
+            "keys": sorted(entry),
+            "residual_nonzero": sorted(k for k, t in tensors.items() if t.abs().sum() > 0),
+            "qs": sorted(entry.get("qs", {})),
+        }
+        model.switch_to("allreduce")
+        restored.switch_to("allreduce")
+    return out
+
+
+SWITCHES = [
+    ("bytegrad", True, {"error_feedback": True}),
+    ("bytegrad", False, {"error_feedback": True}),
+    ("powersgd", True, {"rank": 2, "start_iter": 0}),
+    ("powersgd", False, {"rank": 2, "start_iter": 0}),
+    ("fp16", True, {}),
+    ("allreduce", True, {}),
+    ("bf16", True, {}),
+    ("bf16", False, {}),
+]
+
+
+def switching() -> dict:
+    """Flat <-> hierarchical switches mid-run; the replicas stay identical."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = MLP(hidden=64)
+    opt = sgd(net)
+    model = unison.DataParallel(net, optimizer=opt)
+    names, spreads, s = [], [], 0
+    for name, hier, options in SWITCHES:
+        model.switch_to(unison.algorithms.create(name, hierarchical=hier, **options))
+        for _ in range(2):
+            step(model, opt, [(rank, *batch(s, rank))])
+            s += 1
+        names.append(model.algorithm.describe())
+        spreads.append(spread_across_ranks(net))
+    model.switch_to("allreduce")
+    return {"names": names, "spreads": spreads}
+
+
+def on_four_ranks() -> dict:
+    return {
+        "algorithms": all_gradient_algorithms(),
+        "seam": node_sum_is_compressed(),
+        "round_trip": state_round_trip(),
+        "switching": switching(),
+    }
+
+
+@pytest.fixture(scope="module")
+def four():
+    return launch.run(on_four_ranks, 4, env=NODES, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(GRADIENT))
+def test_replicas_identical_and_close_to_allreduce(four, name):
+    for r in four:
+        result = r["algorithms"][name]
+        assert result["spread"] == 0.0, name
+        assert result["to_ref"] < GRADIENT[name][1], result
+        assert result["bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["allreduce", "nonblocking", "powersgd"])
+def test_linear_algorithms_equal_their_flat_run(four, name):
+    # no compression, or PowerSGD's power iteration (linear in the averaged gradients, residuals included)
+    for r in four:
+        assert r["algorithms"][name]["to_flat"] < 1e-5, r["algorithms"][name]
+
+
+def test_lossy_codecs_stay_near_their_flat_run(four):
+    for r in four:
+        for name in ("fp16", "bf16", "bytegrad", "qadam"):
+            result = r["algorithms"][name]
+            assert result["to_flat"] < max(4 * result["flat_to_ref"], 1e-3), (name, result)
+
+
+def test_the_node_sum_is_what_crosses_nodes(four):
+    for r in four:
+        seam = r["seam"]
+        assert seam["shard_equal"] and seam["same_everywhere"]
+        assert seam["plain_gap"] < 1e-5 and seam["uneven_gap"] < 1e-5 and seam["empty_shard_gap"] < 1e-5
+
+
+def test_state_round_trips_exactly(four):
+    for r in four:
+        assert r["round_trip"]["bytegrad"]["diff"] == 0.0
+        assert r["round_trip"]["powersgd"]["diff"] == 0.0
+        assert r["round_trip"]["powersgd"]["keys"] == ["qs", "residuals", "steps"]
+    # The codec state lives where the compression happens: each local rank keeps its own share.
+    assert four[0]["round_trip"]["powersgd"]["qs"] != four[1]["round_trip"]["powersgd"]["qs"]
+    assert four[0]["round_trip"]["powersgd"]["qs"] == four[2]["round_trip"]["powersgd"]["qs"]
+
+
+def test_switch_between_flat_and_hierarchical(four):
+    for r in four:
+        assert all(s == 0.0 for s in r["switching"]["spreads"]), r["switching"]
+        assert [("hierarchical=True" in n) for n in r["switching"]["names"]] == [h for _, h, _ in SWITCHES]
+
+
+def layouts() -> dict:
+    """One process per node runs flat with a warning; nodes of different sizes are refused."""
+    rank = dist.get_rank()
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = unison.DataParallel(MLP(), algorithm=unison.algorithms.create("bytegrad", hierarchical=True))
+    out["warnings"] = [str(w.message) for w in caught if "hierarchical" in str(w.message)]
+    out["flat"] = model.algorithm_state.hierarchy is None
+    model.switch_to("allreduce")
+    unison.runtime.forget_topology()
+    os.environ.update(LOCAL_WORLD_SIZE="3" if rank < 3 else "1", LOCAL_RANK=str(rank if rank < 3 else 0))
+    os.environ.pop("UNISON_NODES")
+    topo = unison.init()
+    out["uniform"] = topo.uniform
+    try:
+        unison.DataParallel(MLP(), algorithm=unison.algorithms.create("powersgd", hierarchical=True))
+        out["uneven"] = None
+    except ValueError as exc:
+        out["uneven"] = str(exc)
+    model = unison.DataParallel(MLP(), algorithm="bytegrad")  # flat algorithms still run
+    opt = sgd(model)
+    step(model, opt, [(rank, *batch(0, rank))])
+    out["flat_spread"] = spread_across_ranks(model.module)
+    return out
+
+
+def test_layouts_it_cannot_use():
+    for r in launch.run(layouts, 4, env={"UNISON_NODES": "4"}, timeout=120):
+        assert r["flat"] and len(r["warnings"]) == 1 and "one process per node" in r["warnings"][0]
+        assert r["uniform"] is False
+        assert "same number of processes on every node" in r["uneven"] and "[3, 3, 3, 1]" in r["uneven"]
+        assert r["flat_spread"] == 0.0
+
+
+def test_bounds():
+    assert even_bounds(10, 3) == [0, 4, 8, 10]
+    assert even_bounds(1, 2) == [0, 1, 1]
+    assert aligned_bounds([600, 1, 400], 2) == [0, 600, 1001]
+    assert aligned_bounds([1000], 2) == [0, 1000, 1000]
+    assert aligned_bounds([5, 5, 5, 5], 4) == [0, 5, 10, 15, 20]
