@@ -30,9 +30,9 @@ GRADIENT = {
     "nonblocking": ({}, 1e-6),
     "fp16": ({}, 1e-3),
     "bf16": ({}, 1e-2),
-    "bytegrad": ({"error_feedback": True, "chunk_size": 64}, 5e-2),
-    "powersgd": ({"rank": 2, "start_iter": 1}, 1.0),
-    "qadam": ({}, 1.0),
+    "bytegrad": ({"error_feedback": True, "chunk_size": 64}, 2e-3),
+    "powersgd": ({"rank": 2, "start_iter": 1}, 5e-2),
+    "qadam": ({}, 0.2),  # against allreduce with QAdamOptimizer: 8-bit momenta after a warm-up of 2
 }
 STEPS = 5
 
@@ -58,7 +58,7 @@ def side_by_side(name: str, options: dict) -> dict:
     torch.manual_seed(0)
     base = MLP(hidden=64)
     nets = {k: copy.deepcopy(base) for k in ("ref", "flat", "hier")}
-    opts = {k: optimizer(name if k != "ref" else "allreduce", n) for k, n in nets.items()}
+    opts = {k: optimizer(name, n) for k, n in nets.items()}  # the reference: allreduce, the same optimizer
     models = {
         "ref": wrap("allreduce", nets["ref"], opts["ref"]),
         "flat": wrap(name, nets["flat"], opts["flat"], **options),
@@ -284,5 +284,5 @@ def test_bounds():
     assert even_bounds(10, 3) == [0, 4, 8, 10]
     assert even_bounds(1, 2) == [0, 1, 1]
     assert aligned_bounds([600, 1, 400], 2) == [0, 600, 1001]
-    assert aligned_bounds([1000], 2) == [0, 1000, 1000]
+    assert aligned_bounds([1000], 2) in ([0, 0, 1000], [0, 1000, 1000])  # one process carries it
     assert aligned_bounds([5, 5, 5, 5], 4) == [0, 5, 10, 15, 20]
