@@ -20,7 +20,7 @@ from models import MLP, batch
 from scenarios import max_diff, sgd, spread_across_ranks, step
 
 import unison
-from unison.engine.exchange import Exchange
+from unison.engine.exchange import Exchange, wire_bytes_8bit
 from unison.engine.hierarchy import TwoLevel, aligned_bounds, even_bounds
 
 NODES = {"UNISON_NODES": "2"}
@@ -206,6 +206,18 @@ def test_replicas_identical_and_close_to_allreduce(four, name):
         assert result["spread"] == 0.0, name
         assert result["to_ref"] < GRADIENT[name][1], result
         assert result["bytes"] > 0
+
+
+def test_bytes_are_both_levels(four):
+    # MLP(hidden=64): 5508 float32 values in one bucket, 6 parameters (one flag byte each).
+    numel, flags, inside = 5508, 6, 2 * (2 - 1) * 2754 * 4  # reduce-scatter + all-gather of a half
+    for r in four:
+        a = r["algorithms"]
+        # 2 x 2: 2(P-1)/P S + 2(M-1)/M S/P = 1.5 S = 2(N-1)/N S, the flat ring's
+        assert a["allreduce"]["bytes"] == a["allreduce"]["flat_bytes"] == inside + 2754 * 4 + flags
+        assert a["fp16"]["bytes"] == inside + 2754 * 2 + flags
+        assert a["bytegrad"]["bytes"] == inside + wire_bytes_8bit(numel // 2, 2, 64) + flags
+        assert a["bytegrad"]["flat_bytes"] == wire_bytes_8bit(numel, 4, 64) + flags
 
 
 @pytest.mark.parametrize("name", ["allreduce", "nonblocking", "powersgd"])
