@@ -185,18 +185,78 @@ def switching() -> dict:
     return {"names": names, "spreads": spreads}
 
 
+def checkpoint_resume(path: str) -> dict:
+    """``unison.save`` keeps every rank's share of the codec state: a resumed run goes on exactly."""
+    rank = dist.get_rank()
+    options = {"rank": 2, "start_iter": 1}
+    torch.manual_seed(0)
+    net = MLP(hidden=64)
+    opt = sgd(net)
+    model = wrap("powersgd", net, opt, hierarchical=True, **options)
+    for s in range(3):
+        step(model, opt, [(rank, *batch(s, rank))])
+    unison.save(path, model, opt, step=3)
+    torch.manual_seed(1)  # other weights: the checkpoint must restore them
+    net2 = MLP(hidden=64)
+    opt2 = sgd(net2)
+    restored = wrap("powersgd", net2, opt2, hierarchical=True, **options)
+    saved = unison.load(path, restored, opt2)
+    for s in range(3, 6):
+        step(model, opt, [(rank, *batch(s, rank))])
+        step(restored, opt2, [(rank, *batch(s, rank))])
+    model.switch_to("allreduce")
+    restored.switch_to("allreduce")
+    return {"step": saved["step"] if saved else None, "diff": max_diff(net, net2)}
+
+
+def bagua_quantize() -> dict:
+    """Bagua's QuantizeAllReduce is hierarchical by default (Bagua's rule): bytegrad's two levels."""
+    from unison.compat.bagua.bagua_define import DistributedAlgorithm
+    from unison.compat.bagua.torch_api.distributed import bagua_init
+
+    rank = dist.get_rank()
+    nets = []
+    for bagua in (True, False):
+        torch.manual_seed(0)
+        net = MLP(hidden=64)
+        opt = sgd(net)
+        if bagua:
+            model, _ = bagua_init(net, opt, DistributedAlgorithm.QuantizeAllReduce)
+            hierarchical = model.bagua_module.algorithm_state.hierarchy is not None
+        else:
+            model = wrap("bytegrad", net, opt, hierarchical=True)
+        for s in range(3):
+            step(model, opt, [(rank, *batch(s, rank))])
+        nets.append(net)
+        (model.bagua_module if bagua else model).switch_to("allreduce")
+    return {"hierarchical": hierarchical, "diff": max_diff(*nets)}
+
+
 def on_four_ranks() -> dict:
     return {
         "algorithms": all_gradient_algorithms(),
         "seam": node_sum_is_compressed(),
         "round_trip": state_round_trip(),
         "switching": switching(),
+        "resume": checkpoint_resume(os.path.join(os.environ["H_CKPT_DIR"], "run.pt")),
+        "bagua": bagua_quantize(),
     }
 
 
 @pytest.fixture(scope="module")
-def four():
-    return launch.run(on_four_ranks, 4, env=NODES, timeout=600)
+def four(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("hierarchical"))
+    return launch.run(on_four_ranks, 4, env={**NODES, "H_CKPT_DIR": ckpt}, timeout=600)
+
+
+def test_checkpoint_resumes_exactly(four):
+    for r in four:
+        assert r["resume"] == {"step": 3, "diff": 0.0}
+
+
+def test_bagua_quantize_allreduce_is_hierarchical_by_default(four):
+    for r in four:
+        assert r["bagua"] == {"hierarchical": True, "diff": 0.0}
 
 
 @pytest.mark.parametrize("name", list(GRADIENT))
