@@ -337,6 +337,14 @@ def layouts() -> dict:
         out["uneven"] = None
     except ValueError as exc:
         out["uneven"] = str(exc)
+    out["others"] = []
+    for name, options in (("daso", {}), ("local_sgd", {"hierarchical": True, "local_period": 2, "period": 4})):
+        net = MLP()
+        try:
+            unison.DataParallel(net, optimizer=sgd(net), algorithm=unison.algorithms.create(name, **options))
+            out["others"].append(None)
+        except ValueError as exc:
+            out["others"].append(str(exc))
     model = unison.DataParallel(MLP(), algorithm="bytegrad")  # flat algorithms still run
     opt = sgd(model)
     step(model, opt, [(rank, *batch(0, rank))])
@@ -349,6 +357,7 @@ def test_layouts_it_cannot_use():
         assert r["flat"] and len(r["warnings"]) == 1 and "one process per node" in r["warnings"][0]
         assert r["uniform"] is False
         assert "same number of processes on every node" in r["uneven"] and "[3, 3, 3, 1]" in r["uneven"]
+        assert all(m and "same number of processes on every node" in m for m in r["others"]), r["others"]
         assert r["flat_spread"] == 0.0
 
 

@@ -48,6 +48,16 @@ class Hierarchy:
         self.thread.close()
 
 
+def check_uniform(replica: Replica, what: str) -> None:
+    """Raise ValueError if the nodes run different numbers of processes (``what`` needs the node groups)."""
+    topo = replica.topology
+    if not topo.uniform:
+        raise ValueError(
+            f"{what} needs the same number of processes on every node; the ranks' local world sizes "
+            f"are {list(topo.local_sizes)}: launch as many processes per node everywhere, or pass hierarchical=False"
+        )
+
+
 def hierarchy(replica: Replica, name: str, tag: str = "hierarchical") -> Optional[Hierarchy]:
     """The two-level reduction of algorithm ``name`` over this replica's nodes, or None to run flat.
 
@@ -68,11 +78,7 @@ def hierarchy(replica: Replica, name: str, tag: str = "hierarchical") -> Optiona
         raise ValueError(
             f"hierarchical {name} runs on the whole world; it cannot be combined with a process_group subset"
         )
-    if not topo.uniform:
-        raise ValueError(
-            f"hierarchical {name} needs the same number of processes on every node; the ranks' local world sizes "
-            f"are {list(topo.local_sizes)}: launch as many processes per node everywhere, or pass hierarchical=False"
-        )
+    check_uniform(replica, f"hierarchical {name}")
     if topo.num_nodes == 1:
         return None
     if topo.local_world_size == 1:

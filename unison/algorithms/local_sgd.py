@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..engine.averaging import AsyncAverage, average_
 from ..replica import Replica
+from .hierarchical import check_uniform
 from .options import Bool, Int
 from .periodic import StepCount
 from .streamed import Streamed, StreamedState
@@ -82,6 +83,7 @@ class LocalSGD(Streamed[LocalSGDState]):
             topo = replica.topology
             if topo.world_size != dist.get_world_size() or replica.group is not dist.group.WORLD:
                 raise ValueError("hierarchical local_sgd needs unison.init() and the whole world as its process group")
+            check_uniform(replica, "hierarchical local_sgd")
             intra = replica.private_group("local_sgd/intra", topo.intra_node_group)
         named = replica.named_parameters + replica.float_buffers
         fragments = [[t for _, t in f] for f in fragments_of(named, self.schedule().fragments)]
