@@ -232,6 +232,26 @@ def bagua_quantize() -> dict:
     return {"hierarchical": hierarchical, "diff": max_diff(*nets)}
 
 
+def optimizer_side() -> dict:
+    """DistributedOptimizer runs the same hierarchical reduction as DataParallel."""
+    rank = dist.get_rank()
+    nets = []
+    for side in ("model", "optimizer"):
+        torch.manual_seed(0)
+        net = MLP(hidden=64)
+        alg = unison.algorithms.create("bytegrad", hierarchical=True, error_feedback=True)
+        if side == "model":
+            opt = sgd(net)
+            wrapped = unison.DataParallel(net, optimizer=opt, algorithm=alg)
+        else:
+            opt = unison.DistributedOptimizer(sgd(net), named_parameters=net.named_parameters(), algorithm=alg)
+            wrapped = net
+        for s in range(3):
+            step(wrapped, opt, [(rank, *batch(s, rank))])
+        nets.append(net)
+    return {"diff": max_diff(*nets), "spread": spread_across_ranks(nets[1])}
+
+
 def on_four_ranks() -> dict:
     return {
         "algorithms": all_gradient_algorithms(),
@@ -240,6 +260,7 @@ def on_four_ranks() -> dict:
         "switching": switching(),
         "resume": checkpoint_resume(os.path.join(os.environ["H_CKPT_DIR"], "run.pt")),
         "bagua": bagua_quantize(),
+        "optimizer_side": optimizer_side(),
     }
 
 
@@ -252,6 +273,11 @@ def four(tmp_path_factory):
 def test_checkpoint_resumes_exactly(four):
     for r in four:
         assert r["resume"] == {"step": 3, "diff": 0.0}
+
+
+def test_distributed_optimizer_reduces_the_same_way(four):
+    for r in four:
+        assert r["optimizer_side"] == {"diff": 0.0, "spread": 0.0}
 
 
 def test_bagua_quantize_allreduce_is_hierarchical_by_default(four):
