@@ -131,9 +131,9 @@ class QAdam(Algorithm[QAdamState]):
     def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
         h, n = state.hierarchy, bucket.flat.numel()
         if h is not None:
-            shard = h.shard_numel(n)
-            cross = wire_bytes_8bit(shard, h.levels.nodes, CHUNK_SIZE) if state.compressing else None
-            return h.wire_bytes(bucket.flat, ring_bytes(shard * 4, h.levels.nodes) if cross is None else cross)
+            shard, nodes = h.shard_numel(n), h.levels.nodes
+            full = ring_bytes(shard * bucket.flat.element_size(), nodes)  # the warm-up's
+            return h.wire_bytes(bucket.flat, wire_bytes_8bit(shard, nodes, CHUNK_SIZE) if state.compressing else full)
         if state.compressing:
             return wire_bytes_8bit(n, world_size, CHUNK_SIZE)
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
