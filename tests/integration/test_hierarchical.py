@@ -88,10 +88,14 @@ def all_gradient_algorithms() -> dict:
     return {name: side_by_side(name, options) for name, (options, _) in GRADIENT.items()}
 
 
-def node_sum_is_compressed() -> dict:
-    """The seam itself: the shard a process carries across nodes is its node's sum, compressed."""
+def node_sum_is_compressed(by_owner: bool) -> dict:
+    """The seam itself: the shard a process carries across nodes is its node's sum, compressed.
+    ``by_owner``: gloo's first level (a reduce and a broadcast per shard), else reduce-scatter and
+    all-gather (what other backends run)."""
     topo = unison.runtime.topology()
     two = TwoLevel(topo.intra_node_group, topo.inter_node_group, topo.local_rank, topo.local_world_size, 2)
+    assert two.by_owner  # gloo
+    two.by_owner = by_owner
     x = torch.randn(1001, generator=torch.Generator().manual_seed(topo.rank))
     codec = {}
 
@@ -116,6 +120,7 @@ def node_sum_is_compressed() -> dict:
         "shard_equal": torch.equal(out[lo:hi], mine),
         "same_everywhere": torch.equal(out, everywhere),
         "plain_gap": (two.run(x.clone(), plain) - total).abs().max().item(),
+        "even_gap": (two.run(x[:1000].clone(), plain) - total[:1000]).abs().max().item(),  # equal shards
         "uneven_gap": (two.run(x.clone(), plain, [0, 600, 1001]) - total).abs().max().item(),
         "empty_shard_gap": (two.run(x.clone(), plain, [0, 1001, 1001]) - total).abs().max().item(),
     }
@@ -255,7 +260,7 @@ def optimizer_side() -> dict:
 def on_four_ranks() -> dict:
     return {
         "algorithms": all_gradient_algorithms(),
-        "seam": node_sum_is_compressed(),
+        "seam": {mode: node_sum_is_compressed(mode) for mode in (True, False)},
         "round_trip": state_round_trip(),
         "switching": switching(),
         "resume": checkpoint_resume(os.path.join(os.environ["H_CKPT_DIR"], "run.pt")),
@@ -322,9 +327,10 @@ def test_lossy_codecs_stay_near_their_flat_run(four):
 
 def test_the_node_sum_is_what_crosses_nodes(four):
     for r in four:
-        seam = r["seam"]
-        assert seam["shard_equal"] and seam["same_everywhere"]
-        assert seam["plain_gap"] < 1e-5 and seam["uneven_gap"] < 1e-5 and seam["empty_shard_gap"] < 1e-5
+        for seam in r["seam"].values():
+            assert seam["shard_equal"] and seam["same_everywhere"]
+            assert seam["plain_gap"] < 1e-5 and seam["even_gap"] < 1e-5
+            assert seam["uneven_gap"] < 1e-5 and seam["empty_shard_gap"] < 1e-5
 
 
 def test_state_round_trips_exactly(four):
