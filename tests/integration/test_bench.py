@@ -427,9 +427,10 @@ def test_not_installed_peer_is_not_a_failure(monkeypatch):
 
 @needs_netns
 def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
-    """Hierarchical allreduce on 2 nodes x 2 processes: only the leaders' allreduce crosses the links
-    (one ring between 2 nodes: the gradients once per node per step); the reduce and broadcast
-    inside each node stay on its loopback, or the links would carry twice as much."""
+    """Hierarchical allreduce on 2 nodes x 2 processes: only the shards' allreduces cross the links
+    (each a ring between 2 nodes: the gradients once per node per step, 2(M-1)/M of them); the
+    reduce-scatter and all-gather inside each node stay on its loopback, or the links would carry
+    twice as much."""
     out = tmp_path / "b"
     cwd = os.getcwd()
     os.chdir(HERE)
@@ -441,7 +442,7 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
                     "--model",
                     "bench_factory:wide",
                     "--contenders",
-                    "allreduce:hierarchical=true",
+                    "allreduce:hierarchical=true,bytegrad:hierarchical=true",
                     "--nodes",
                     "2",
                     "--procs-per-node",
@@ -464,6 +465,9 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
     assert r["status"] == "ok", r.get("error")
     grads = 4 * r["params"]
     assert 0.95 * grads < r["link_bytes_per_step"] < 1.2 * grads
+    r = doc["contenders"][1]  # bytegrad's shards cross in 8 bits: a quarter (and headers)
+    assert r["status"] == "ok", r.get("error")
+    assert 0.24 * grads < r["link_bytes_per_step"] < 0.32 * grads
 
 
 def bench_json(tmp_path, *argv) -> dict:

@@ -147,7 +147,8 @@ def test_bad_options_raise(options, message):
 
 def test_options_and_state_without_error_feedback():
     alg = unison.algorithms.create("bytegrad")
-    assert isinstance(alg, ByteGrad) and alg.options == {"error_feedback": False, "chunk_size": 1024}
+    assert isinstance(alg, ByteGrad)
+    assert alg.options == {"error_feedback": False, "chunk_size": 1024, "hierarchical": False}
     assert "bytegrad" in unison.algorithms.names()
     state = unison.DataParallel(MLP(), algorithm=alg).algorithm_state  # what it built for a model
     assert state.state_dict() == {}

@@ -140,6 +140,10 @@ def check_bagua() -> dict:
     m, x = bagua_run(DistributedAlgorithm.QuantizeAllReduce, hierarchical_reduce=False, error_feedback=True)
     out["quantize"] = (m.bagua_module.algorithm.name, m.bagua_module.algorithm.options["error_feedback"])
     out["quantize_gap"] = (x - native([create("bytegrad", error_feedback=True)])).abs().max().item()
+    m, x = bagua_run(DistributedAlgorithm.QuantizeAllReduce, error_feedback=True)  # Bagua's rule: hierarchical
+    out["quantize_hier"] = m.bagua_module.algorithm.options["hierarchical"]
+    # one node: nothing crosses nodes, the hierarchical reduction runs flat
+    out["quantize_hier_gap"] = (x - native([create("bytegrad", error_feedback=True)])).abs().max().item()
     m, x = bagua_run(
         DistributedAlgorithm.Decentralize,
         hierarchical_reduce=False,
@@ -284,6 +288,7 @@ def test_each_member_runs_its_unison_algorithm(results):
         assert r["allreduce_gap"] == 0.0
         assert r["sg"] == ("allreduce", True) and r["sg_gap"] == 0.0
         assert r["quantize"] == ("bytegrad", True) and r["quantize_gap"] == 0.0
+        assert r["quantize_hier"] is True and r["quantize_hier_gap"] == 0.0
         d = r["decentralize"]
         assert (d["peer_selection"], d.get("communication_interval", d.get("period"))) == ("shift_one", 3)
         assert r["decentralize_gap"] == 0.0 and r["decentralize_spread"] > 0.0
@@ -298,11 +303,8 @@ def test_what_unison_lacks_is_named(results):
         else:  # and Bagua's default (hierarchical) Decentralize runs flat, with a warning
             assert status == "not implemented" and "hierarchical" in detail
             assert len(r["flat_warning"]) == 1
-        status, detail = r["leader"]
-        if status == "works":
-            assert detail["intra_comm_root_rank"] == 1
-        else:
-            assert status == "not implemented" and "intra_comm_root_rank" in detail
+        status, detail = r["leader"]  # unison's hierarchical reduction has no leader: any root works
+        assert status == "works" and detail["hierarchical"] is True
         assert r["leader_flat"] is False
 
 

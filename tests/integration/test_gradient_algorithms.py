@@ -97,13 +97,13 @@ def test_switch_algorithms_mid_training():
     results = launch.run(switching, 2, timeout=90)
     for r in results:
         assert r["names"] == [
-            "fp16()",
+            "fp16(hierarchical=False)",
             "allreduce(autotune=False, hierarchical=True)",
-            "bf16()",
+            "bf16(hierarchical=False)",
             "allreduce(autotune=False, hierarchical=False)",
         ]
         assert all(s == 0.0 for s in r["spreads"])
-        assert "fp16()" in r["mismatch"] and "bf16()" in r["mismatch"]
+        assert "fp16(hierarchical=False)" in r["mismatch"] and "bf16(hierarchical=False)" in r["mismatch"]
 
 
 def test_bad_options():

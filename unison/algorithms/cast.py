@@ -3,11 +3,14 @@
 Each bucket (already divided by the world size, so an fp16 sum cannot
 overflow where the fp32 average would not) is cast to the wire dtype, summed
 with one allreduce, and cast back into the bucket. Works on gloo, where torch's
-own bf16 hook refuses to run.
+own bf16 hook refuses to run. With ``hierarchical=True`` the node's processes
+sum in full precision and only each shard's crossing of nodes is cast
+(``unison.engine.hierarchy``).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import ClassVar, Optional
 
 import torch
@@ -17,20 +20,33 @@ from ..engine.buckets import Bucket
 from ..engine.comm import Waitable, ring_bytes, start
 from ..replica import Replica
 from .base import Algorithm, State
+from .hierarchical import Hierarchy, hierarchy
+from .options import Bool
 
 
 class CastState(State):
-    """One reusable wire buffer per bucket (no allocation per step)."""
+    """One reusable wire buffer per bucket (no allocation per step), and the hierarchy when asked for."""
 
-    __slots__ = ("wire",)
+    __slots__ = ("wire", "hierarchy")
 
-    def __init__(self) -> None:
+    def __init__(self, hierarchy: Optional[Hierarchy] = None) -> None:
         super().__init__()
         self.wire: dict[int, torch.Tensor] = {}
+        self.hierarchy = hierarchy
+
+    def close(self) -> None:
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+            self.hierarchy = None
 
 
 class CastAllReduce(Algorithm[CastState]):
     """Allreduce of a bucket cast to ``wire_dtype``; half the bytes of fp32.
+
+    Args:
+        hierarchical: sum in full precision inside each node (reduce-scatter),
+            cast only the shard each process carries across nodes, all-gather
+            inside the node.
 
     Example::
 
@@ -38,9 +54,10 @@ class CastAllReduce(Algorithm[CastState]):
     """
 
     wire_dtype: ClassVar[torch.dtype]
+    hierarchical = Bool(False)
 
     def setup(self, replica: Replica) -> CastState:
-        return CastState()
+        return CastState(hierarchy(replica, self.name) if self.hierarchical else None)
 
     def _wire_buffer(self, state: CastState, bucket: Bucket) -> torch.Tensor:
         buf = state.wire.get(bucket.index)
@@ -53,6 +70,14 @@ class CastAllReduce(Algorithm[CastState]):
     def reduce_bucket(
         self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
+        h = state.hierarchy
+        if h is not None:
+            cross = (
+                h.allreduce
+                if bucket.flat.dtype == self.wire_dtype
+                else partial(_cast_cross, h, self._wire_buffer(state, bucket))
+            )
+            return h.submit(bucket.flat, cross)
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
         wire = self._wire_buffer(state, bucket)
@@ -63,7 +88,18 @@ class CastAllReduce(Algorithm[CastState]):
 
     def bucket_wire_bytes(self, replica: Replica, state: CastState, bucket: Bucket, world_size: int) -> int:
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
+        h = state.hierarchy
+        if h is not None:
+            return h.wire_bytes(bucket.flat, ring_bytes(h.shard_numel(bucket.flat.numel()) * itemsize, h.levels.nodes))
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
+
+
+def _cast_cross(h: Hierarchy, wire: torch.Tensor, shard: torch.Tensor, offset: int) -> None:
+    """The cross-node step in the wire dtype: the node's sum of the shard, cast, summed, cast back."""
+    part = wire[offset : offset + shard.numel()]
+    part.copy_(shard)
+    h.allreduce(part, offset)
+    shard.copy_(part)
 
 
 class FP16(CastAllReduce):

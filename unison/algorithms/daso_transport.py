@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..engine import comm
 from ..replica import Replica
+from .hierarchical import check_uniform
 from .state import State
 
 SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch stays in cache)
@@ -85,6 +86,7 @@ class Transport:
             raise ValueError("daso needs the node layout: call unison.init() before building DataParallel")
         if replica.world_size != dist.get_world_size():
             raise ValueError("daso runs on the whole world; it cannot be combined with a process_group subset")
+        check_uniform(replica, "daso")
         local_size, nodes, node = topo.local_world_size, topo.num_nodes, topo.intra_node_group
         grad = replica.private_group("daso/grad", node) if local_size > 1 else None
         intra = replica.private_group("daso/intra", node) if local_size > 1 and nodes > 1 else None

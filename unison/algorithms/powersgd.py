@@ -7,8 +7,8 @@ bucket, on a CommThread over a private group. See docs/algorithms.md#powersgd.
 
 from __future__ import annotations
 
-import zlib
-from typing import Any, NamedTuple, Optional, Sequence
+from functools import partial
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,78 +17,12 @@ from ..engine import comm
 from ..engine.buckets import Bucket, split
 from ..engine.codecs import LowRank
 from ..engine.comm import Waitable
-from ..engine.flatstate import FlatState
+from ..engine.hierarchy import aligned_bounds
 from ..replica import Replica
-from .base import Algorithm, ThreadedState, open_thread
+from .base import Algorithm, open_thread
+from .hierarchical import Hierarchy, hierarchy
 from .options import Bool, Int, Number
-
-
-def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
-    """Whether sending rank-``rank`` factors of a tensor of ``shape`` saves at least ``min_rate``."""
-    n = shape[0] if len(shape) >= 2 else 0
-    return n > 0 and n * (shape.numel() // n) > min_rate * (n + shape.numel() // n) * rank
-
-
-def initial_q(name: str, cols: int, rank: int, salt: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A random cols x rank start, the same on every rank: seeded from the parameter's name and ``salt``."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{salt}".encode()))
-    return torch.randn(cols, rank, generator=g, dtype=dtype).to(device)
-
-
-class BucketPlan(NamedTuple):
-    """Which of a bucket's parameters are compressed, and the sizes of the packed buffers."""
-
-    compressed: list[int]  # positions in the bucket of the matrices sent as factors
-    plain: list[int]  # positions of the tensors averaged uncompressed
-    shapes: list[tuple[int, int]]  # (rows, cols) of each compressed matrix
-    plain_numel: int
-    p_numel: int
-    q_numel: int
-
-
-def plan_bucket(params: Sequence[torch.Tensor], rank: int, min_rate: float) -> BucketPlan:
-    """Split a bucket's parameters into compressed matrices and plain tensors."""
-    compressed, plain, shapes = [], [], []
-    for i, p in enumerate(params):
-        if is_compressible(p.shape, rank, min_rate):
-            compressed.append(i)
-            shapes.append((p.shape[0], p.numel() // p.shape[0]))
-        else:
-            plain.append(i)
-    plain_numel = sum(params[i].numel() for i in plain)
-    p_numel, q_numel = sum(n * rank for n, _ in shapes), sum(m * rank for _, m in shapes)
-    return BucketPlan(compressed, plain, shapes, plain_numel, p_numel, q_numel)
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the factors are computed and sent in (QR needs float32 or float64)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class PowerSGDState(ThreadedState):
-    """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
-
-    __slots__ = ("passes", "residuals", "qs", "plans", "buffers")
-
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None) -> None:
-        super().__init__(group, thread)
-        self.passes = 0  # synchronized backward passes (saved as "steps")
-        self.residuals = FlatState()  # error feedback, per parameter
-        self.qs: dict[str, torch.Tensor] = {}  # warm-start factors, per parameter
-        self.plans: dict[tuple[str, ...], BucketPlan] = {}
-        self.buffers: dict[tuple[str, ...], tuple[torch.Tensor, LowRank]] = {}  # first message, factors
-
-    def state_dict(self) -> dict[str, Any]:
-        qs = {n: q.clone() for n, q in self.qs.items()}
-        return {"steps": self.passes, "residuals": self.residuals.state_dict(), "qs": qs}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"steps", "residuals", "qs"} - set(state)
-        if missing:
-            raise ValueError(f"a powersgd state needs {sorted(missing)}; got keys {sorted(state)}")
-        self.passes = int(state["steps"])
-        self.residuals.load_state_dict(state["residuals"])
-        self.qs = {name: q.clone() for name, q in state["qs"].items()}
+from .powersgd_state import BucketPlan, PowerSGDState, initial_q, plan_bucket, work_dtype
 
 
 class PowerSGD(Algorithm[PowerSGDState]):
@@ -100,6 +34,10 @@ class PowerSGD(Algorithm[PowerSGDState]):
         min_compression_rate: an n x m matrix is compressed only if
             n*m > rate * (n+m) * rank; others are averaged uncompressed.
         warm_start: start each power iteration from the previous step's Q.
+        hierarchical: sum in full precision inside each node (reduce-scatter
+            between parameters); each process runs PowerSGD across nodes on
+            its share of the matrices (their residuals and Q's live there);
+            all-gather inside the node.
 
     Example::
 
@@ -111,9 +49,15 @@ class PowerSGD(Algorithm[PowerSGDState]):
     start_iter = Int(10, minimum=0)
     min_compression_rate = Number(2.0, low=1.0, open_low=False)
     warm_start = Bool(True)
+    hierarchical = Bool(False)
 
     def setup(self, replica: Replica) -> PowerSGDState:
-        return PowerSGDState(*(open_thread(replica, self.name) if replica.distributed else ()))
+        h = hierarchy(replica, self.name) if self.hierarchical else None
+        if h is None:
+            return PowerSGDState(*(open_thread(replica, self.name) if replica.distributed else ()))
+        state = PowerSGDState(h.levels.inter, h.thread)
+        state.hierarchy = h
+        return state
 
     def compressing(self, state: PowerSGDState) -> bool:
         """Whether the current backward pass compresses (the warm-up is over)."""
@@ -122,26 +66,62 @@ class PowerSGD(Algorithm[PowerSGDState]):
     def reduce_bucket(
         self, replica: Replica, state: PowerSGDState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
+        h = state.hierarchy
         if not self.compressing(state):
-            return comm.start(dist.all_reduce, bucket.flat, group=group)
-        plan = self._plan(state, bucket)
+            return (
+                comm.start(dist.all_reduce, bucket.flat, group=group)
+                if h is None
+                else h.submit(bucket.flat, h.allreduce)
+            )
+        if h is not None:
+            bounds, lo, hi = self._shard(state, bucket, h)
+            return h.submit(bucket.flat, partial(self._shard_reduce, state, bucket, lo, hi, state.passes), bounds)
+        plan = self._plan(state, bucket.names, bucket.params)
         return state.running_thread().submit(self._compressed_reduce, state, bucket, plan, state.passes)
 
     def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
+        h, flat = state.hierarchy, bucket.flat
         if not self.compressing(state):
-            return super().bucket_wire_bytes(replica, state, bucket, world_size)
-        plan = self._plan(state, bucket)
+            if h is None:
+                return super().bucket_wire_bytes(replica, state, bucket, world_size)
+            return h.wire_bytes(
+                flat, comm.ring_bytes(h.shard_numel(flat.numel()) * flat.element_size(), h.levels.nodes)
+            )
+        bounds, lo, hi = (None, 0, len(bucket.params)) if h is None else self._shard(state, bucket, h)
+        plan = self._plan(state, bucket.names[lo:hi], bucket.params[lo:hi])
         size = torch.empty(0, dtype=work_dtype(bucket.dtype)).element_size()
-        return comm.ring_bytes((plan.plain_numel + plan.p_numel + plan.q_numel) * size, world_size)
+        sent = comm.ring_bytes(
+            (plan.plain_numel + plan.p_numel + plan.q_numel) * size, h.levels.nodes if h else world_size
+        )
+        return sent if h is None else h.wire_bytes(flat, sent, bounds)
 
     def after_backward(self, replica: Replica, state: PowerSGDState) -> None:
         state.passes += 1
 
-    def _plan(self, state: PowerSGDState, bucket: Bucket) -> BucketPlan:
-        key = tuple(bucket.names)
+    def _plan(self, state: PowerSGDState, names: Sequence[str], params: Sequence[torch.Tensor]) -> BucketPlan:
+        key = tuple(names)
         if key not in state.plans:
-            state.plans[key] = plan_bucket(bucket.params, self.rank, self.min_compression_rate)
+            state.plans[key] = plan_bucket(params, self.rank, self.min_compression_rate)
         return state.plans[key]
+
+    def _shard(self, state: PowerSGDState, bucket: Bucket, h: Hierarchy) -> tuple[list[int], int, int]:
+        """The bucket's shard offsets (between parameters, one run per local rank) and this process's parameters."""
+        key = tuple(bucket.names)
+        if key not in state.shards:
+            sizes = [p.numel() for p in bucket.params]
+            bounds = aligned_bounds(sizes, h.levels.local_size)
+            ends = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            start, end = h.levels.shard(bounds)
+            state.shards[key] = (bounds, ends.index(start), ends.index(end))
+        return state.shards[key]
+
+    def _shard_reduce(
+        self, state: PowerSGDState, bucket: Bucket, lo: int, hi: int, step: int, shard: torch.Tensor, offset: int
+    ) -> None:
+        """The cross-node step: PowerSGD over the nodes on the node's sum of this process's parameters."""
+        params = bucket.params[lo:hi]
+        sub = Bucket(bucket.index, bucket.indices[lo:hi], bucket.names[lo:hi], params, shard, split(shard, params))
+        self._compressed_reduce(state, sub, self._plan(state, sub.names, params), step)
 
     def _q(
         self, state: PowerSGDState, name: str, cols: int, step: int, dtype: torch.dtype, device: torch.device

@@ -4,24 +4,28 @@ It runs with its own optimizer, ``unison.QAdamOptimizer``: during the warm-up
 buckets are averaged in full precision and the optimizer is plain Adam; after
 it the variance is frozen, each rank folds its gradient into its momentum, and
 the momenta (divided by the frozen Adam denominator) are averaged with
-bytegrad's 8-bit exchange. See docs/algorithms.md#qadam.
+bytegrad's 8-bit exchange (with ``hierarchical=True``: summed in full precision
+inside the node, each shard across nodes in 8 bits). See docs/algorithms.md#qadam.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..engine.buckets import Bucket, split
-from ..engine.comm import CommThread, Waitable, start
+from ..engine.comm import CommThread, Waitable, ring_bytes, start
 from ..engine.flatstate import FlatState
 from ..replica import Replica
 from .base import Algorithm, ThreadedState, open_thread
-from .bytegrad import bucket_exchange, wire_bytes_8bit
-from .qadam_optimizer import QAdamOptimizer
+from .bytegrad import bucket_exchange, exchange_cross, wire_bytes_8bit
+from .hierarchical import Hierarchy, hierarchy
+from .options import Bool
+from .qadam_optimizer import QAdamOptimizer, beta1_like
 
 #: Values per 8-bit quantization chunk (as bytegrad's default).
 CHUNK_SIZE = 1024
@@ -30,12 +34,13 @@ CHUNK_SIZE = 1024
 class QAdamState(ThreadedState):
     """The optimizer, the flat momenta (saved), the buckets' exchanges and denominators, group and thread."""
 
-    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators")
+    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "hierarchy")
 
     def __init__(
         self, optimizer: QAdamOptimizer, group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
     ) -> None:
         super().__init__(group, thread)
+        self.hierarchy: Optional[Hierarchy] = None  # with hierarchical=True (its thread is the state's)
         self.optimizer = optimizer
         self.momentum = FlatState()
         self.seeded: set[str] = set()  # parameters whose momentum started from the optimizer's exp_avg
@@ -56,7 +61,11 @@ class QAdamState(ThreadedState):
 
 
 class QAdam(Algorithm[QAdamState]):
-    """8-bit momentum averaging for ``QAdamOptimizer``; no options (the optimizer holds them).
+    """8-bit momentum averaging for ``QAdamOptimizer`` (the optimizer holds the hyperparameters).
+
+    Args:
+        hierarchical: average inside each node in full precision, each
+            process's shard of the node's momenta across nodes in 8 bits.
 
     Example::
 
@@ -65,6 +74,7 @@ class QAdam(Algorithm[QAdamState]):
     """
 
     name = "qadam"
+    hierarchical = Bool(False)
 
     def setup(self, replica: Replica) -> QAdamState:
         found = [opt for opt in replica.optimizers if isinstance(opt, QAdamOptimizer)]
@@ -81,21 +91,26 @@ class QAdam(Algorithm[QAdamState]):
                 f"parameter; it does not hold {missing[0]!r}"
                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             )
-        return QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed else ()))
+        h = hierarchy(replica, self.name) if self.hierarchical else None
+        state = QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed and h is None else ()))
+        if h is not None:
+            state.hierarchy, state.thread = h, h.thread  # closed with the state's thread
+        return state
 
     def reduce_bucket(
         self, replica: Replica, state: QAdamState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
         world, opt = dist.get_world_size(group), state.optimizer
         state.compressing = world > 1 and not opt.warming_up and bucket.flat.numel() > 0
+        h = state.hierarchy
         if not state.compressing:
-            return start(dist.all_reduce, bucket.flat, group=group)
+            return start(dist.all_reduce, bucket.flat, group=group) if h is None else h.submit(bucket.flat, h.allreduce)
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
         momentum = state.momentum.get(bucket)
         _seed(state, bucket, momentum)
         # bucket.flat holds g_local / world: make it m_local / world, whose sum over ranks is the average.
-        beta1 = _beta1(opt, bucket)
+        beta1 = beta1_like(opt, bucket)
         if isinstance(beta1, float):
             bucket.flat.mul_(1 - beta1).add_(momentum, alpha=beta1 / world)
         else:
@@ -103,24 +118,36 @@ class QAdam(Algorithm[QAdamState]):
         denom, inverse = _denominator(state, bucket)
         bucket.flat.mul_(inverse)  # 0 where the denominator is 0
         opt.grads_hold_momentum = True
-        exchange = bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE)
-        return state.running_thread().submit(_average, exchange, bucket.flat, state.group, momentum, denom)
+        reduce: Callable[[torch.Tensor], Any]
+        if h is None:
+            reduce = partial(bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE).run, group=state.group)
+        else:
+            ex = bucket_exchange(
+                state.exchanges, bucket, h.levels.nodes, CHUNK_SIZE, h.shard_numel(bucket.flat.numel())
+            )
+            reduce = partial(h.levels.run, cross=partial(exchange_cross, h, ex, None))
+        return state.running_thread().submit(_average, reduce, bucket.flat, momentum, denom)
 
     def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
+        h, n = state.hierarchy, bucket.flat.numel()
+        if h is not None:
+            shard, nodes = h.shard_numel(n), h.levels.nodes
+            full = ring_bytes(shard * bucket.flat.element_size(), nodes)  # the warm-up's
+            return h.wire_bytes(bucket.flat, wire_bytes_8bit(shard, nodes, CHUNK_SIZE) if state.compressing else full)
         if state.compressing:
-            return wire_bytes_8bit(bucket.flat.numel(), world_size, CHUNK_SIZE)
+            return wire_bytes_8bit(n, world_size, CHUNK_SIZE)
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
 
 
 def _average(
-    exchange: Any, flat: torch.Tensor, group: Optional[dist.ProcessGroup], momentum: torch.Tensor, denom: torch.Tensor
+    reduce: Callable[[torch.Tensor], Any], flat: torch.Tensor, momentum: torch.Tensor, denom: torch.Tensor
 ) -> torch.Tensor:
     """On the CommThread: average the update directions in 8 bits, then turn them back into momenta.
 
     Dividing by the frozen denominator (the same on every rank) commutes with
     averaging and puts the rounding error on the update's scale (see docs).
     """
-    exchange.run(flat, group)
+    reduce(flat)  # the Exchange, or the two levels with the Exchange across nodes
     flat.mul_(denom)
     momentum.copy_(flat)
     return flat
@@ -171,15 +198,3 @@ def _seed(state: QAdamState, bucket: Bucket, momentum: torch.Tensor) -> None:
         if exp_avg is not None:
             views[i].copy_(exp_avg)
         state.seeded.add(bucket.names[i])
-
-
-def _beta1(opt: QAdamOptimizer, bucket: Bucket) -> Union[float, torch.Tensor]:
-    """The optimizer's beta1 for the bucket: one number, or per element when groups differ."""
-    by_param = {id(p): group["betas"][0] for group in opt.param_groups for p in group["params"]}
-    betas = [float(by_param[id(p)]) for p in bucket.params]
-    if all(b == betas[0] for b in betas):
-        return betas[0]
-    out = torch.empty_like(bucket.flat)
-    for view, b in zip(split(out, bucket.views), betas):
-        view.fill_(b)
-    return out

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+
+from ..engine.buckets import Bucket, split
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -115,3 +117,15 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state)
         self.steps_taken = int(steps)
         self.grads_hold_momentum = False
+
+
+def beta1_like(opt: QAdamOptimizer, bucket: Bucket) -> Union[float, torch.Tensor]:
+    """``opt``'s beta1 for a gradient bucket (the qadam algorithm's): one number, or per element when groups differ."""
+    by_param = {id(p): group["betas"][0] for group in opt.param_groups for p in group["params"]}
+    betas = [float(by_param[id(p)]) for p in bucket.params]
+    if all(b == betas[0] for b in betas):
+        return betas[0]
+    out = torch.empty_like(bucket.flat)
+    for view, b in zip(split(out, bucket.views), betas):
+        view.fill_(b)
+    return out

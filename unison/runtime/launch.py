@@ -150,6 +150,13 @@ class Topology:
     intra_node_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     inter_node_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     inter_node_groups: list = field(default_factory=list, repr=False)
+    #: Every rank's local world size, in rank order (empty when unknown: a world of one).
+    local_sizes: tuple = field(default=(), repr=False)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every node runs the same number of processes (the node groups exist only then)."""
+        return all(n == self.local_world_size for n in self.local_sizes)
 
     @property
     def node(self) -> int:
@@ -211,6 +218,15 @@ def _build_groups(topo: Topology) -> None:
     topo.intra_node_group = intra
     topo.inter_node_group = inter
     topo.inter_node_groups = all_inter
+
+
+def _local_sizes(local_world: int) -> tuple[int, ...]:
+    """Every rank's local world size (one all_gather over the world): nodes may differ."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    mine = torch.tensor([local_world], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, mine)
+    return tuple(int(s.item()) for s in sizes)
 
 
 def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
@@ -301,7 +317,8 @@ def init(
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
 
     local_rank, local_world = _apply_simulated_nodes(rank, world, local_rank, local_world, nodes)
-    if world % local_world:
+    local_sizes = _local_sizes(local_world) if world > 1 else ()
+    if all(n == local_world for n in local_sizes) and world % local_world:
         raise ValueError(f"local world size {local_world} does not divide the world size {world}")
     topo = Topology(
         rank=rank,
@@ -313,7 +330,9 @@ def init(
         world_group=dist.group.WORLD,
     )
     if world > 1:
-        _build_groups(topo)
+        topo.local_sizes = local_sizes
+        if topo.uniform:
+            _build_groups(topo)
         health.start(rank, world)
     _topology = topo
     return topo

@@ -113,8 +113,10 @@ class ModelSwitchWrapper(DistributedModule):
             synchronized backward (unison's meaning: Bagua broadcasts them once
             at the start; unison always does that).
         delay_reduce: reduce after backward instead of overlapping it.
-        hierarchical_reduce: reduce inside each node, across node leaders, and
-            broadcast inside the node. None: Bagua's default, False for
+        hierarchical_reduce: reduce-scatter inside each node, each shard
+            across nodes by the algorithm's scheme (8 bits for
+            ``QuantizeAllReduce``), all-gather inside the node; on a single
+            node it runs flat. None: Bagua's default, False for
             ``GradientAllReduce`` and True for the others (for an algorithm
             unison has no hierarchical mode for yet, None runs flat with a
             warning and True raises NotImplementedError).
@@ -122,10 +124,10 @@ class ModelSwitchWrapper(DistributedModule):
             once it holds this much; the first is at most 1 MiB so the first
             reduction starts early). No effect on ``Decentralize``, which
             exchanges weights, not gradient buckets.
-        intra_comm_root_rank: the local rank of each node's leader in a
-            hierarchical reduction (unison's leader is local rank 0: another
-            value raises NotImplementedError while hierarchical; without
-            hierarchical reduction there is no leader and it does not apply).
+        intra_comm_root_rank: the local rank of each node's leader in Bagua's
+            hierarchical reduction. unison's has no leader (every local rank
+            carries its shard across nodes), so it has no effect; it must
+            still be a local rank.
         **kwargs: options of the algorithms, kept for the stages that use them:
             ``peer_selection_mode`` ("all", "shift_one" or unison's "ring") and
             ``communication_interval`` of ``Decentralize`` (Bagua's defaults
@@ -260,13 +262,6 @@ class ModelSwitchWrapper(DistributedModule):
                 stacklevel=3,
             )
             hierarchical = False
-        if hierarchical and self.intra_comm_root_rank != 0:
-            if "intra_comm_root_rank" not in defaults:
-                raise NotImplementedError(
-                    f"intra_comm_root_rank={self.intra_comm_root_rank}: unison's hierarchical {name!r} always leads each node "
-                    "from local rank 0; another leader needs an option of that algorithm"
-                )
-            options["intra_comm_root_rank"] = self.intra_comm_root_rank
         for key, value in {**_BAGUA_DEFAULTS.get(name, {}), **self.kwargs}.items():
             option = _option_name(key, defaults)
             if option is not None:
