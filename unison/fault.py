@@ -93,6 +93,9 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
         )
 
 
+#: Set in the coordinator's store once the job has a state (its first settle is done).
+STATE_KEY = "ft/state"
+
 #: The entries of an algorithm's state that belong to one worker: error-feedback residuals.
 RANK_LOCAL = ("residuals", "feedback")
 
@@ -145,6 +148,7 @@ class FaultTolerance:
         self._attached: dict[str, Any] = {}
         self._healed: dict[str, Any] = {}  # attached state healed in before the object was attached
         self._recovering = False
+        self._holds_state = False  # this worker finished a settle: the job has a state
         self._swallow = False  # the pending backward was settled by a heal: its optimizer step does nothing
 
     # ---- what users read -----------------------------------------------------------------
@@ -279,6 +283,14 @@ class FaultTolerance:
         # steps) completed. The source is the lowest rank furthest ahead; joiners never are.
         statuses = all_gather_objects((self.step, kind, model.core.shared_rounds), group)
         running = [(s, n) for s, k, n in statuses if k != "join"]
+        if not running and self._member.store.check([STATE_KEY]):
+            why = (
+                f"every worker that held the job's state is gone (the members {self._member.members} all "
+                "joined fresh); starting over from initial weights would be silently wrong: restart from a "
+                "unison.save checkpoint"
+            )
+            self._member.store.set("ft/abort", why)  # the coordinator ends the job: no more replacements
+            raise health.RankFailure(f"worker {self._member.id}: {why}", [])
         top = max(running) if running else max((s, n) for s, _, n in statuses)
         source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
         behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
@@ -306,6 +318,9 @@ class FaultTolerance:
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
         self._align_data(contributors[0] if contributors else source)
+        if not self._holds_state:  # from now on, a membership of joiners only has lost the job's state
+            self._member.store.set(STATE_KEY, "1")
+            self._holds_state = True
         idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
         if idle:
             self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {idle}, which were between steps")

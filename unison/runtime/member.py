@@ -261,6 +261,9 @@ class Member:
         while True:
             epoch, doc = self._newest_with_me(deadline, seen)
             seen = epoch
+            # A new membership is the job going on: the wait for the next one starts again (under
+            # churn, joiners dying before they are ready, a member may move through many).
+            deadline = time.time() + REGROUP_TIMEOUT_S
             if not self._gather(epoch, doc, deadline):
                 continue  # membership moved on while we gathered
             self._abandon()
