@@ -9,6 +9,8 @@ keys of the TCPStore it hosts (no training rank hosts it, so any rank may die):
 - ``ft/leave/<id>``: a graceful leave; ``ft/done/<id>``: the worker finished;
 - ``ft/members/<e>``: membership ``e`` as JSON (members, joiners, reason);
   ``ft/epoch`` is written after it, so a reader of the epoch finds its membership;
+- ``ft/rebuild/<e>``: a member failed without a membership change (its group could not be built,
+  or a collective failed before a death was noticed): the same members are published again.
 - ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
   (too few members) or by a worker (the job's state is lost), then nobody is respawned.
 
@@ -170,6 +172,8 @@ class Coordinator:
         if not self.command:
             self._discover()
         reasons = self._look(now)
+        if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
+            reasons.append(f"the group of epoch {self.epoch} could not be built")
         alive = [wid for wid in self.members if self.workers[wid].state == "member"]
         waiting = sorted(w.id for w in self.workers.values() if w.state == "waiting")
         expected = self.settings.expected or self.settings.nproc
