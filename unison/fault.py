@@ -148,7 +148,6 @@ class FaultTolerance:
         self._attached: dict[str, Any] = {}
         self._healed: dict[str, Any] = {}  # attached state healed in before the object was attached
         self._recovering = False
-        self._holds_state = False  # this worker finished a settle: the job has a state
         self._swallow = False  # the pending backward was settled by a heal: its optimizer step does nothing
 
     # ---- what users read -----------------------------------------------------------------
@@ -281,9 +280,12 @@ class FaultTolerance:
         model, group = self._guarded(), dist.group.WORLD
         # Where each member is: committed steps, what it was doing, shared rounds (DiLoCo's outer
         # steps) completed. The source is the lowest rank furthest ahead; joiners never are.
-        statuses = all_gather_objects((self.step, kind, model.core.shared_rounds), group)
+        gathered = all_gather_objects((self.step, kind, model.core.shared_rounds, self._member.veteran), group)
+        statuses = [g[:3] for g in gathered]
         running = [(s, n) for s, k, n in statuses if k != "join"]
-        if not running and self._member.store.check([STATE_KEY]):
+        # Joiners only, none of them a process that settled before (a second model of the same
+        # workers is no loss), in a job that has a state: nobody holds it any more.
+        if not running and not any(g[3] for g in gathered) and self._member.store.check([STATE_KEY]):
             why = (
                 f"every worker that held the job's state is gone (the members {self._member.members} all "
                 "joined fresh); starting over from initial weights would be silently wrong: restart from a "
@@ -318,9 +320,9 @@ class FaultTolerance:
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
         self._align_data(contributors[0] if contributors else source)
-        if not self._holds_state:  # from now on, a membership of joiners only has lost the job's state
+        if not self._member.veteran:  # from now on, a membership of fresh joiners only has lost the job's state
             self._member.store.set(STATE_KEY, "1")
-            self._holds_state = True
+            self._member.veteran = True
         idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
         if idle:
             self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {idle}, which were between steps")

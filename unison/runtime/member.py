@@ -89,6 +89,7 @@ class Member:
         self.members: list[int] = []
         self.joiners: list[int] = []
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
+        self.veteran = False  # this process finished a settle (fault tolerance's): it holds the job's state
         self._admitted = False  # a membership with this worker was published (left out later: evicted)
         self.graveyard: list[Any] = []  # abandoned groups and works (see bury)
         self._polled = time.monotonic()  # when the watcher last read the epoch
