@@ -93,6 +93,9 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
         )
 
 
+#: Set in the coordinator's store once the job has a state (its first settle is done).
+STATE_KEY = "ft/state"
+
 #: The entries of an algorithm's state that belong to one worker: error-feedback residuals.
 RANK_LOCAL = ("residuals", "feedback")
 
@@ -277,8 +280,19 @@ class FaultTolerance:
         model, group = self._guarded(), dist.group.WORLD
         # Where each member is: committed steps, what it was doing, shared rounds (DiLoCo's outer
         # steps) completed. The source is the lowest rank furthest ahead; joiners never are.
-        statuses = all_gather_objects((self.step, kind, model.core.shared_rounds), group)
+        gathered = all_gather_objects((self.step, kind, model.core.shared_rounds, self._member.veteran), group)
+        statuses = [g[:3] for g in gathered]
         running = [(s, n) for s, k, n in statuses if k != "join"]
+        # Joiners only, none of them a process that settled before (a second model of the same
+        # workers is no loss), in a job that has a state: nobody holds it any more.
+        if not running and not any(g[3] for g in gathered) and self._member.store.check([STATE_KEY]):
+            why = (
+                f"every worker that held the job's state is gone (the members {self._member.members} all "
+                "joined fresh); starting over from initial weights would be silently wrong: restart from a "
+                "unison.save checkpoint"
+            )
+            self._member.store.set("ft/abort", why)  # the coordinator ends the job: no more replacements
+            raise health.RankFailure(f"worker {self._member.id}: {why}", [])
         top = max(running) if running else max((s, n) for s, _, n in statuses)
         source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
         behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
@@ -306,6 +320,9 @@ class FaultTolerance:
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
         self._align_data(contributors[0] if contributors else source)
+        if not self._member.veteran:  # from now on, a membership of fresh joiners only has lost the job's state
+            self._member.store.set(STATE_KEY, "1")
+            self._member.veteran = True
         idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
         if idle:
             self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {idle}, which were between steps")

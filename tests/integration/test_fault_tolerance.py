@@ -159,6 +159,28 @@ def test_two_ranks_killed_at_once_with_min_replicas_met(tmp_path):
     assert all(r["w"] == [-1.0] * 40 and r["world"] == 2 for r in found.values())
 
 
+def test_when_every_holder_of_the_state_is_gone_fresh_joiners_raise_instead_of_starting_over(tmp_path):
+    """Both workers die at step 10 and are replaced: the replacements have nobody to heal from.
+    Training on from their initial weights would be silently wrong: they raise RankFailure."""
+    code, err, found = launch(
+        tmp_path,
+        "--kill",
+        "0@10",
+        "--kill",
+        "1@10",
+        "--sleep",
+        "0.02",
+        nproc=2,
+        launcher=("--respawn", "--min-replicas", "1", "--join-timeout", "5"),
+        steps=200,
+        timeout=LIMIT_S,
+    )
+    assert code != 0
+    assert found == {}, err[-3000:]
+    failures = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("failed-*.json")]
+    assert failures and all("held the job's state is gone" in f["message"] for f in failures), err[-3000:]
+
+
 def test_too_few_members_ends_the_job_with_rank_failure(tmp_path):
     started = time.time()
     code, err, found = launch(

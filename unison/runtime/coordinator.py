@@ -9,7 +9,10 @@ keys of the TCPStore it hosts (no training rank hosts it, so any rank may die):
 - ``ft/leave/<id>``: a graceful leave; ``ft/done/<id>``: the worker finished;
 - ``ft/members/<e>``: membership ``e`` as JSON (members, joiners, reason);
   ``ft/epoch`` is written after it, so a reader of the epoch finds its membership;
-- ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``).
+- ``ft/rebuild/<e>``: a member failed without a membership change (its group could not be built,
+  or a collective failed before a death was noticed): the same members are published again.
+- ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
+  (too few members) or by a worker (the job's state is lost), then nobody is respawned.
 
 The coordinator learns of a child's death at once (``poll``) and of a hang by
 a heartbeat that stopped moving. It never signals a member.
@@ -147,7 +150,7 @@ class Coordinator:
 
     def _maybe_respawn(self) -> None:
         s = self.settings
-        if self.ending or any(w.state == "finished" for w in self.workers.values()):
+        if self.ending or self.aborted is not None or any(w.state == "finished" for w in self.workers.values()):
             return  # the job is ending: a replacement would have nothing to join
         if self.command and s.respawn and (s.max_respawns is None or self.respawns < s.max_respawns):
             self.respawns += 1
@@ -169,6 +172,8 @@ class Coordinator:
         if not self.command:
             self._discover()
         reasons = self._look(now)
+        if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
+            reasons.append(f"the group of epoch {self.epoch} could not be built")
         alive = [wid for wid in self.members if self.workers[wid].state == "member"]
         waiting = sorted(w.id for w in self.workers.values() if w.state == "waiting")
         expected = self.settings.expected or self.settings.nproc
@@ -203,6 +208,9 @@ class Coordinator:
             self.spawn()
         while True:
             now = time.time()
+            if self.aborted is None and self.store.check(["ft/abort"]):  # a worker found the job cannot go on
+                self.aborted = self.store.get("ft/abort").decode()
+                self.note("abort", self.aborted)
             if self.aborted is None:
                 self._step(now)
             live = [

@@ -89,6 +89,7 @@ class Member:
         self.members: list[int] = []
         self.joiners: list[int] = []
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
+        self.veteran = False  # this process finished a settle (fault tolerance's): it holds the job's state
         self._admitted = False  # a membership with this worker was published (left out later: evicted)
         self.graveyard: list[Any] = []  # abandoned groups and works (see bury)
         self._polled = time.monotonic()  # when the watcher last read the epoch
@@ -258,9 +259,14 @@ class Member:
         """
         deadline = time.time() + REGROUP_TIMEOUT_S
         seen = self.epoch
+        if seen > 0 and self._newest() == seen:
+            self._rebuild(seen)  # a failure, and no newer membership (yet): ask for the same members again
         while True:
             epoch, doc = self._newest_with_me(deadline, seen)
             seen = epoch
+            # A new membership is the job going on: the wait for the next one starts again (under
+            # churn, joiners dying before they are ready, a member may move through many).
+            deadline = time.time() + REGROUP_TIMEOUT_S
             if not self._gather(epoch, doc, deadline):
                 continue  # membership moved on while we gathered
             self._abandon()
@@ -271,12 +277,18 @@ class Member:
                     "gloo", store=store, rank=rank, world_size=len(doc["members"]), timeout=RENDEZVOUS_TIMEOUT
                 )
             except RuntimeError:
-                # A member that was ready died or stopped before it met the others: the coordinator
-                # publishes a membership without it, which we wait for (never this one again).
+                # A member that was ready died or stopped before it met the others (the coordinator
+                # publishes a membership without it), or the build ran out of time on a busy machine
+                # (it publishes the same members again): we wait for that one, never this one again.
+                self._rebuild(epoch)
                 continue
             _backstop(dist.group.WORLD)
             self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
             return doc
+
+    def _rebuild(self, epoch: int) -> None:
+        """Ask the coordinator for a membership after ``epoch`` even if nobody died."""
+        self.store.set(f"ft/rebuild/{epoch}", str(self.id))
 
     def _abandon(self) -> None:
         """Forget the current groups without destroying them (their work may still be running);
