@@ -350,7 +350,8 @@ def test_switch_between_flat_and_hierarchical(four):
 
 
 def layouts() -> dict:
-    """One process per node runs flat with a warning; nodes of different sizes are refused."""
+    """One process per node runs flat with a warning; nodes of different sizes are refused, by every
+    hierarchical algorithm (the gradient ones and the model-averaging ones: one check)."""
     rank = dist.get_rank()
     out = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -370,7 +371,9 @@ def layouts() -> dict:
     except ValueError as exc:
         out["uneven"] = str(exc)
     out["others"] = []
-    for name, options in (("daso", {}), ("local_sgd", {"hierarchical": True, "local_period": 2, "period": 4})):
+    averaging = ("decentralized", "low_precision_decentralized", "async", "diloco")
+    cases = [("daso", {}), ("local_sgd", {"hierarchical": True, "local_period": 2, "period": 4})]
+    for name, options in cases + [(name, {"hierarchical": True}) for name in averaging]:
         net = MLP()
         try:
             unison.DataParallel(net, optimizer=sgd(net), algorithm=unison.algorithms.create(name, **options))

@@ -20,7 +20,6 @@ from models import MLP, batch
 from scenarios import max_diff, spread_across_ranks
 
 import unison
-from unison.algorithms.node_layout import check_layout
 from unison.engine.comm import ring_bytes
 
 NODES = {"UNISON_NODES": "2"}
@@ -124,13 +123,6 @@ def test_decentralized_hierarchical_matches_flat_all_on_two_nodes(peer_selection
     for r in launch.run(decentralized_against_flat, 4, peer_selection, env=NODES, timeout=120):
         assert max(r["gaps"]) < 1e-5, r["gaps"]
         assert r["final"] < 1e-5
-
-
-def test_layout_check():
-    assert check_layout("x", [2, 2, 2]) is True
-    assert check_layout("x", [1, 1]) is False
-    with pytest.raises(ValueError, match="same number of processes on every node"):
-        check_layout("decentralized", [2, 2, 3])
 
 
 # ---- low_precision_decentralized ---------------------------------------------------------------

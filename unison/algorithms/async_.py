@@ -17,13 +17,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..engine.node_average import Nodes
+from ..engine.hierarchy import TwoLevel
 from ..replica import Replica
 from ..runtime import collective_timeout
 from .async_nodes import NodeRound
 from .averaging_thread import AveragingThread, FlatRound
 from .base import Algorithm
-from .node_layout import node_groups
+from .hierarchical import two_level
 from .options import Bool, Int, Number
 from .periodic import CountedState, StepCount
 
@@ -67,7 +67,7 @@ class AsyncState(CountedState):
         self.may_run = group is not None  # False once a peer stopped, until average()
         self.broken = False  # the thread failed: it never starts again
         self.rounds = 0
-        self.nodes: Optional[Nodes] = None  # hierarchical: the node layout of the rounds
+        self.nodes: Optional[TwoLevel] = None  # hierarchical: the node layout of the rounds
 
     def new_round(self) -> FlatRound:
         """The buffers of the thread's rounds: flat, or averaged inside the node first."""
@@ -153,7 +153,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
         params = [p for _, p in replica.trainable]
         group = replica.private_group("async") if replica.distributed and params else None
         state = AsyncState(params, group, self.sync_interval_ms / 1000.0, self.warmup_steps)
-        state.nodes = node_groups(replica, self.name, "async/nodes") if self.hierarchical and group else None
+        state.nodes = two_level(replica, self.name, "async/nodes") if self.hierarchical and group else None
         if group is not None:
             replica.on_optimizer_step(before=lambda _o: state.hold(), after=lambda _o: state.let_go())
         return state

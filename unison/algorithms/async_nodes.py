@@ -8,20 +8,21 @@ from typing import Sequence
 
 import torch
 
-from ..engine.node_average import NodeAverage, Nodes
+from ..engine.hierarchy import TwoLevel
+from ..engine.node_average import NodeAverage
 from .averaging_thread import FlatRound
 
 
 class NodeRound(FlatRound):
-    """``FlatRound``'s snapshot and average buffers, averaged in two levels over ``nodes``.
+    """``FlatRound``'s snapshot and average buffers, averaged in two levels over ``levels``.
 
     ``launch`` runs the three legs (blocking: the averaging thread calls it, and each leg
     waits for the one before); ``wire_bytes`` is what the last round sent, both legs.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], nodes: Nodes) -> None:
-        super().__init__(params, nodes.intra)
-        self.node = NodeAverage(self.snap_views, nodes)
+    def __init__(self, params: Sequence[torch.Tensor], levels: TwoLevel) -> None:
+        super().__init__(params, levels.intra)
+        self.node = NodeAverage(self.snap_views, levels)
 
     def launch(self) -> "NodeRound":
         before = self.node.sent

@@ -97,15 +97,15 @@ class Decentralized(Streamed[DecentralizedState]):
         )
         state.nodes = self.node_rounds(replica, state.fragments)
         if state.nodes is not None:
-            nodes = state.nodes.nodes
-            if self.peer_selection == "shift_one" and nodes.count > 1 and nodes.count % 2:
+            levels = state.nodes.levels
+            if self.peer_selection == "shift_one" and levels.nodes % 2:
                 raise ValueError(
                     f"hierarchical decentralized with peer_selection='shift_one' pairs the nodes, so it needs an even "
-                    f"number of nodes, got {nodes.count}; use peer_selection='ring' or 'all'"
+                    f"number of nodes, got {levels.nodes}; use peer_selection='ring' or 'all'"
                 )
-            peers = len(self._peers(nodes.node, nodes.count, 0))
-            state.recv = [[[k.shard.clone() for _ in range(peers)] for k in a.kinds] for a in state.nodes.averages]
-        elif self.peer_selection == "shift_one" and world % 2:  # hierarchical, run flat: one process per node
+            peers = len(self._peers(levels.node, levels.nodes, 0))
+            state.recv = [[[k.new_shard() for _ in range(peers)] for k in a.kinds] for a in state.nodes.averages]
+        elif self.peer_selection == "shift_one" and world % 2:  # hierarchical run flat (one node, or one per node)
             raise ValueError(f"decentralized with peer_selection='shift_one' needs an even world size, got {world}")
         elif self.peer_selection != "all":
             peers = len(self._peers(replica.rank, replica.world_size, 0))
@@ -151,14 +151,14 @@ class Decentralized(Streamed[DecentralizedState]):
         self, state: DecentralizedState, f: int, avg: NodeAverage, values: list[torch.Tensor], round_index: int
     ) -> list[torch.Tensor]:
         """On the rounds' thread: the node's mean of ``values``, each shard mixed with the peer nodes'."""
-        nodes = avg.nodes
+        levels = avg.levels
         if self.peer_selection == "all":
             return [v.clone() for v in avg.run(values)]
-        peers = self._peers(nodes.node, nodes.count, round_index)
+        peers = self._peers(levels.node, levels.nodes, round_index)
         pieces = avg.scatter(values)
         sends = [(piece, peer, tag) for tag, piece in enumerate(pieces) for peer in peers]
         recvs = [(buf, peer, tag) for tag, bufs in enumerate(state.recv[f]) for buf, peer in zip(bufs, peers)]
-        exchange(sends, recvs, nodes.inter)
+        exchange(sends, recvs, levels.inter)
         avg.inter_bytes += sum(piece.numel() * piece.element_size() for piece in pieces) * len(peers)
         for piece, bufs in zip(pieces, state.recv[f]):
             for buf in bufs:

@@ -1,8 +1,9 @@
 """The node layout of a hierarchical algorithm: checked once, at construction, and its TwoLevel built.
 
-Every gradient algorithm's ``hierarchical=True`` reduces through
-``unison.engine.hierarchy.TwoLevel`` (see docs/algorithms.md#hierarchical-reduction);
-this module decides whether the layout allows it and builds its groups.
+Every algorithm's ``hierarchical=True`` runs on ``unison.engine.hierarchy.TwoLevel``
+(the gradient algorithms directly, the model-averaging ones through
+``engine.node_average``; see docs/algorithms.md#hierarchical-reduction); this module
+decides whether the layout allows it (``two_level``, the one check) and builds its groups.
 """
 
 from __future__ import annotations
@@ -58,16 +59,15 @@ def check_uniform(replica: Replica, what: str) -> None:
         )
 
 
-def hierarchy(replica: Replica, name: str, tag: str = "hierarchical") -> Optional[Hierarchy]:
-    """The two-level reduction of algorithm ``name`` over this replica's nodes, or None to run flat.
+def two_level(replica: Replica, name: str, tag: str = "hierarchical") -> Optional[TwoLevel]:
+    """The two levels of algorithm ``name`` over this replica's nodes, or None to run flat.
 
     Raises ValueError when the layout cannot support it: no node layout
     (``unison.init()`` not called), a process group that is not the whole
     world, or nodes running different numbers of processes. Runs flat
     (returns None) on a single node, where nothing crosses nodes, and with one
     process per node, where flat is what two levels would do (with a warning).
-    Every rank calls it (it may create private groups, found again under ``tag``: only one
-    algorithm of a model runs at a time, so they share them).
+    Every rank calls it (it may create private groups, found again under ``tag``).
     """
     if replica.group is None or not replica.distributed:
         return None
@@ -88,4 +88,14 @@ def hierarchy(replica: Replica, name: str, tag: str = "hierarchical") -> Optiona
         return None
     intra = replica.private_group(tag + "/intra", topo.intra_node_group)
     inter = replica.private_group(tag + "/inter", topo.inter_node_group)
-    return Hierarchy(TwoLevel(intra, inter, topo.local_rank, topo.local_world_size, topo.num_nodes), name)
+    return TwoLevel(intra, inter, topo.local_rank, topo.local_world_size, topo.num_nodes, topo.node)
+
+
+def hierarchy(replica: Replica, name: str, tag: str = "hierarchical") -> Optional[Hierarchy]:
+    """``two_level`` with the CommThread a gradient algorithm's reductions run on (None: run flat).
+
+    The gradient algorithms share their private groups under ``tag``: only one
+    algorithm of a model runs at a time.
+    """
+    levels = two_level(replica, name, tag)
+    return Hierarchy(levels, name) if levels is not None else None

@@ -53,7 +53,7 @@ class ShardCopies(Copies):
     every replica when it is built, so the shard of the node's mean is the shard of the weights)."""
 
     def __init__(self, shards: Shards, neighbours: list[int]) -> None:
-        start = shards.flat.view(-1)[shards.nodes.local_rank * shards.size :][: shards.size]
+        start = shards.flat.view(-1)[shards.levels.local_rank * shards.size :][: shards.size]
         with torch.no_grad():
             torch._foreach_copy_(shards.views, [t.detach() for t in shards.like])
         self.public = start.clone()
@@ -68,9 +68,9 @@ class NodeCopies:
     """Hierarchical low_precision_decentralized: per fragment, the copies of each kind's shard."""
 
     def __init__(self, rounds: NodeRounds) -> None:
-        nodes = rounds.nodes
-        self.rounds, self.neighbours = rounds, ring_neighbours(nodes.node, nodes.count)
-        self.layout = [nodes.count, nodes.local_size, nodes.local_rank]
+        levels = rounds.levels
+        self.rounds, self.neighbours = rounds, ring_neighbours(levels.node, levels.nodes)
+        self.layout = [levels.nodes, levels.local_size, levels.local_rank]
         self.copies = [[ShardCopies(k, self.neighbours) for k in a.kinds] for a in rounds.averages]
         self.refresh = False  # the next round first resends the public copies in full precision
 
@@ -87,7 +87,7 @@ class NodeCopies:
             sends += [(c.send, peer, tag) for peer in peers]
             recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
             avg.inter_bytes += c.codec.nbytes * len(peers)
-        exchange(sends, recvs, avg.nodes.inter)
+        exchange(sends, recvs, avg.levels.inter)
         for c in self.copies[f]:
             c.public.add_(c.decoded(c.send))
             for copy, message in zip(c.replicas, c.received):
@@ -101,7 +101,7 @@ class NodeCopies:
             sends += [(c.public, peer, tag) for peer in self.neighbours]
             recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, self.neighbours)]
             avg.inter_bytes += c.public.numel() * c.public.element_size() * len(self.neighbours)
-        exchange(sends, recvs, avg.nodes.inter)
+        exchange(sends, recvs, avg.levels.inter)
         self.refresh = False
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,28 +16,29 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..engine.comm import CommThread, Pending
-from ..engine.node_average import NodeAverage, Nodes
+from ..engine.hierarchy import TwoLevel
+from ..engine.node_average import NodeAverage
 from .state import State
 
 
 class NodeRounds:
-    """The node layout, the communication thread, and one ``NodeAverage`` (its buffers) per fragment.
+    """The two levels, the communication thread, and one ``NodeAverage`` (its buffers) per fragment.
 
     Args:
-        nodes: the groups (``node_layout.node_groups``).
+        levels: the two levels (``hierarchical.two_level``).
         fragments: per fragment, the tensors a round carries (their shapes and kinds).
         name: names the thread.
 
     Example::
 
-        rounds = NodeRounds(nodes, [params], "local_sgd")
+        rounds = NodeRounds(levels, [params], "local_sgd")
         pending = rounds.average(state, 0, [p.detach().clone() for p in params])
         averaged = pending.wait()
     """
 
-    def __init__(self, nodes: Nodes, fragments: Sequence[Sequence[torch.Tensor]], name: str) -> None:
-        self.nodes = nodes
-        self.averages = [NodeAverage(f, nodes) for f in fragments]
+    def __init__(self, levels: TwoLevel, fragments: Sequence[Sequence[torch.Tensor]], name: str) -> None:
+        self.levels = levels
+        self.averages = [NodeAverage(f, levels) for f in fragments]
         self.thread: Optional[CommThread] = CommThread(f"unison-{name}-nodes")
 
     @property

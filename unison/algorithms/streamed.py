@@ -13,7 +13,7 @@ import torch
 from ..engine.comm import Waitable
 from ..replica import Replica
 from .base import Algorithm
-from .node_layout import node_groups
+from .hierarchical import two_level
 from .node_rounds import NodeRounds
 from .options import Bool, Int
 from .periodic import CountedState, StepCount
@@ -114,8 +114,8 @@ class Streamed(Algorithm[T]):
 
     def node_rounds(self, replica: Replica, fragments: list[list[torch.Tensor]]) -> Optional[NodeRounds]:
         """With ``hierarchical``, the node layout and the rounds' buffers for ``fragments`` (None: flat)."""
-        nodes = node_groups(replica, self.name, f"{self.name}/nodes") if self.hierarchical else None
-        return NodeRounds(nodes, fragments, self.name) if nodes is not None else None
+        levels = two_level(replica, self.name, f"{self.name}/nodes") if self.hierarchical else None
+        return NodeRounds(levels, fragments, self.name) if levels is not None else None
 
     def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:
         """Start ``fragment``'s sync: ``(pending, extra)`` for ``merge``."""

@@ -55,6 +55,7 @@ class TwoLevel:
         intra: the processes of this node (a private group: run this on a CommThread).
         inter: the processes of this local rank on every node (a private group too).
         local_rank, local_size, nodes: where this process sits.
+        node: this process's node (its rank in ``inter``: the node groups are ordered by node).
 
     Buffers are kept per (buffer length, bounds, dtype, device) and reused: no
     allocation per step. ``run`` is blocking: submit it to a ``CommThread``.
@@ -72,9 +73,10 @@ class TwoLevel:
         local_rank: int,
         local_size: int,
         nodes: int,
+        node: int = 0,
     ) -> None:
         self.intra, self.inter = intra, inter
-        self.local_rank, self.local_size, self.nodes = local_rank, local_size, nodes
+        self.local_rank, self.local_size, self.nodes, self.node = local_rank, local_size, nodes, node
         # gloo's reduce-scatter takes twice as long as a reduce to each shard's owner (measured on CPU):
         # on gloo the first level is one reduce and one broadcast per shard, in place, with no scratch.
         self.by_owner = intra is not None and local_size > 1 and dist.get_backend(intra) == "gloo"
@@ -102,42 +104,60 @@ class TwoLevel:
     def run(self, flat: torch.Tensor, cross: Cross, bounds: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Sum ``flat`` over every process in place, the node's sums crossing nodes by ``cross``; returns ``flat``."""
         bounds = self.bounds(flat.numel()) if bounds is None else bounds
-        start, end = self.shard(bounds)
         if flat.numel() == 0:
             return flat
+        start, end = self.shard(bounds)
+        shard = self.scatter(flat, bounds)
+        if self.nodes > 1 and end > start:
+            cross(shard, start)
+        return self.gather(flat, shard, bounds)
+
+    def scatter(self, flat: torch.Tensor, bounds: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The node's sum of this process's shard of ``flat`` (a view of ``flat`` or of a reused buffer,
+        valid until the next call; ``flat`` itself is left partly summed)."""
+        bounds = self.bounds(flat.numel()) if bounds is None else bounds
+        start, end = self.shard(bounds)
         if self.local_size == 1:
-            if self.nodes > 1 and end > start:
-                cross(flat, 0)
-            return flat
-        if self.by_owner:
-            return self._run_by_owner(flat, cross, bounds)
+            return flat[start:end]
+        if self.by_owner:  # each shard reduced onto its owner, in place
+            owned = [(k, flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+            for work in [comm.start(dist.reduce, p, dst=self.owners[k], group=self.intra) for k, p in owned]:
+                comm.wait(work)
+            return flat[start:end]
         shard, pads = self._scratch(flat, bounds)
-        if not pads:  # equal shards: the single-tensor collectives, no list to pack or unpack
+        if not pads:  # equal shards: the single-tensor collective, no list to pack or unpack
             comm.wait(comm.start(_reduce_scatter, shard, flat, group=self.intra))
-            if self.nodes > 1:
-                cross(shard, start)
-            comm.wait(comm.start(_all_gather, flat, shard, group=self.intra))
-            return flat
+            return shard
         parts = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         comm.wait(comm.start(dist.reduce_scatter, shard[: end - start], parts, group=self.intra))
-        if self.nodes > 1 and end > start:
-            cross(shard[: end - start], start)
+        return shard[: end - start]
+
+    def gather(self, flat: torch.Tensor, shard: torch.Tensor, bounds: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Write every local rank's shard into ``flat`` (this process's is ``shard``: the one ``scatter``
+        returned, changed in place or not, or any tensor of its length); returns ``flat``."""
+        bounds = self.bounds(flat.numel()) if bounds is None else bounds
+        start, end = self.shard(bounds)
+        mine = flat[start:end]
+        if self.local_size == 1 or self.by_owner:
+            if shard.data_ptr() != mine.data_ptr():
+                mine.copy_(shard)
+            if self.local_size == 1:
+                return flat
+            owned = [(k, flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+            for work in [comm.start(dist.broadcast, p, src=self.owners[k], group=self.intra) for k, p in owned]:
+                comm.wait(work)
+            return flat
+        scratch, pads = self._scratch(flat, bounds)
+        if shard.data_ptr() != scratch.data_ptr():
+            scratch[: end - start].copy_(shard)
+        if not pads:
+            comm.wait(comm.start(_all_gather, flat, scratch, group=self.intra))
+            return flat
+        parts = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         outputs = [pads.get(k, part) for k, part in enumerate(parts)]
-        comm.wait(comm.start(dist.all_gather, outputs, shard, group=self.intra))
+        comm.wait(comm.start(dist.all_gather, outputs, scratch, group=self.intra))
         for k, pad in pads.items():
             parts[k].copy_(pad[: parts[k].numel()])
-        return flat
-
-    def _run_by_owner(self, flat: torch.Tensor, cross: Cross, bounds: Sequence[int]) -> torch.Tensor:
-        """``run`` as a reduce of each shard onto its owner, the crossing, and a broadcast from each owner."""
-        parts = [(k, flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-        for work in [comm.start(dist.reduce, p, dst=self.owners[k], group=self.intra) for k, p in parts]:
-            comm.wait(work)
-        start, end = self.shard(bounds)
-        if self.nodes > 1 and end > start:
-            cross(flat[start:end], start)
-        for work in [comm.start(dist.broadcast, p, src=self.owners[k], group=self.intra) for k, p in parts]:
-            comm.wait(work)
         return flat
 
     def intra_bytes(self, numel: int, itemsize: int, bounds: Optional[Sequence[int]] = None) -> int:

@@ -1,116 +1,96 @@
-"""Two-level averaging for nodes of several processes: each node averages inside first
-(a reduce-scatter over its fast link), each local rank carries its shard of the node's
-mean across nodes with the algorithm's own scheme, and the node gathers the shards
-back (an all-gather).
+"""Two-level averaging of model weights for nodes of several processes: the buffers of the
+hierarchical model-averaging algorithms on ``hierarchy.TwoLevel``'s two legs.
 
-Every process's cross-node link is used and each carries 1/P of the values, so a
-node's link carries one copy per node, not one per process. The cross-node leg is
-the algorithm's (``average_shard``, a gossip exchange, 8-bit codes); this module
-only scatters and gathers. See docs/algorithms.md (hierarchical variants).
+Each node averages inside first (``TwoLevel.scatter``), each local rank carries its shard
+of the node's mean across nodes with the algorithm's own scheme, and the node gathers
+the shards back (``TwoLevel.gather``), the layout every hierarchical algorithm uses.
+This module keeps the weights' buffers (one per dtype and device, padded to equal
+shards) and the plain cross-node leg (``average_shard``); a gossip exchange or 8-bit
+codes are the algorithm's. See docs/algorithms.md#hierarchical-reduction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from .averaging import average_async
 from .buckets import split
-from .comm import start, wait
-
-# torch 2.13 names them ``*_single`` (the ``*_tensor`` names warn); older versions have only those.
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """Where the two legs run: the node's group (fast link) and this local rank's group across
-    nodes (one process per node, ordered by node: its group rank is the node's index)."""
-
-    intra: Optional[dist.ProcessGroup]
-    inter: Optional[dist.ProcessGroup]
-    local_rank: int
-    local_size: int
-    count: int  # nodes
-    node: int  # this process's node
+from .hierarchy import TwoLevel
 
 
 class Shards:
     """Tensors of one dtype and device, flattened into a buffer padded to a multiple of the
     node's processes; this local rank owns the piece ``[local_rank * size, (local_rank + 1) * size)``.
 
-    ``scatter(values)`` leaves the node's mean of that piece in ``shard``; ``gather(piece)``
-    writes every local rank's piece back into the buffer and returns it cut like the tensors.
-    Buffers are allocated once: results are views, valid until the next call.
+    ``scatter(values)`` gives the node's mean of that piece; ``gather(piece)`` writes every
+    local rank's piece back into the buffer and returns it cut like the tensors. Both legs
+    are ``levels``' (``TwoLevel.scatter`` and ``gather``). Buffers are allocated once:
+    results are views, valid until the next call.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], nodes: Nodes) -> None:
-        self.nodes, self.like = nodes, list(tensors)
+    def __init__(self, tensors: Sequence[torch.Tensor], levels: TwoLevel) -> None:
+        self.levels, self.like = levels, list(tensors)
         self.numel = sum(t.numel() for t in self.like)
-        self.size = -(-self.numel // nodes.local_size)  # the shard's length (the last one padded)
+        self.size = -(-self.numel // levels.local_size)  # the shard's length (the last one padded)
         first = self.like[0]
-        self.flat = torch.zeros(self.size * nodes.local_size, dtype=first.dtype, device=first.device)
-        self.shard = torch.zeros(self.size, dtype=first.dtype, device=first.device)
+        self.flat = torch.zeros(self.size * levels.local_size, dtype=first.dtype, device=first.device)
         self.views = split(self.flat, self.like)
         self.intra_bytes = 0  # sent over the node's link by this process, so far
 
     @property
     def shard_nbytes(self) -> int:
-        return self.size * self.shard.element_size()
+        return self.size * self.flat.element_size()
+
+    def new_shard(self) -> torch.Tensor:
+        """A zero tensor the size and kind of this rank's piece (a receive buffer)."""
+        return self.flat.new_zeros(self.size)
 
     def scatter(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The node's mean of this rank's piece of ``values`` (laid out like the tensors), in ``shard``."""
+        """The node's mean of this rank's piece of ``values`` (laid out like the tensors)."""
         with torch.no_grad():
             torch._foreach_copy_(self.views, [v.detach() for v in values])
-            if self.nodes.local_size == 1:
-                self.shard.copy_(self.flat)
-                return self.shard
-            self.flat.div_(self.nodes.local_size)
-            wait(start(_REDUCE_SCATTER, self.shard, self.flat, group=self.nodes.intra))
-        self.intra_bytes += (self.nodes.local_size - 1) * self.shard_nbytes
-        return self.shard
+            if self.levels.local_size > 1:
+                self.flat.div_(self.levels.local_size)
+            shard = self.levels.scatter(self.flat)
+        self.intra_bytes += (self.levels.local_size - 1) * self.shard_nbytes
+        return shard
 
     def gather(self, piece: torch.Tensor) -> list[torch.Tensor]:
         """Every local rank's ``piece`` (this rank's given), joined; cut like the tensors (views)."""
         with torch.no_grad():
-            if self.nodes.local_size == 1:
-                self.flat.copy_(piece)
-            else:
-                wait(start(_ALL_GATHER, self.flat, piece.contiguous(), group=self.nodes.intra))
-                self.intra_bytes += (self.nodes.local_size - 1) * self.shard_nbytes
+            self.levels.gather(self.flat, piece)
+        self.intra_bytes += (self.levels.local_size - 1) * self.shard_nbytes
         return self.views
 
 
-def shards_of(tensors: Sequence[torch.Tensor], nodes: Nodes) -> tuple[list[Shards], list[int]]:
+def shards_of(tensors: Sequence[torch.Tensor], levels: TwoLevel) -> tuple[list[Shards], list[int]]:
     """One ``Shards`` per dtype and device of ``tensors``, and the order that lists the tensors kind
     by kind (``values[i] for i in order`` is what the shards take, one kind after the other)."""
     kinds: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         kinds.setdefault((t.dtype, t.device), []).append(i)
     order = [i for idx in kinds.values() for i in idx]
-    return [Shards([tensors[i] for i in idx], nodes) for idx in kinds.values()], order
+    return [Shards([tensors[i] for i in idx], levels) for idx in kinds.values()], order
 
 
 class NodeAverage:
-    """The two-level average of ``tensors`` (any kinds): node mean, each piece averaged across
-    nodes over this rank's cross-node group (``wire_dtype`` as ``average_async`` takes it, with
+    """The two-level average of ``tensors`` (any kinds) over ``levels``: node mean, each piece averaged
+    across nodes over this rank's cross-node group (``wire_dtype`` as ``average_async`` takes it, with
     ``feedback`` for 8-bit codes), gathered back. Blocking; run it on a ``CommThread`` to overlap.
 
     ``inter_bytes`` and ``intra_bytes`` count what this process sent across nodes and inside its node.
 
     Example::
 
-        avg = NodeAverage(params, nodes)
+        avg = NodeAverage(params, levels)
         values = avg.run([p.detach() for p in params])  # every process of every node: the mean
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], nodes: Nodes) -> None:
-        self.nodes, self.tensors = nodes, list(tensors)
-        self.kinds, self.order = shards_of(tensors, nodes)
+    def __init__(self, tensors: Sequence[torch.Tensor], levels: TwoLevel) -> None:
+        self.levels, self.tensors = levels, list(tensors)
+        self.kinds, self.order = shards_of(tensors, levels)
         self.inter_bytes = 0
 
     @property
@@ -161,8 +141,8 @@ class NodeAverage:
         self, shard: torch.Tensor, wire_dtype: Union[torch.dtype, str, None], feedback: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """``shard`` averaged over this rank's cross-node group (one per node)."""
-        if self.nodes.count == 1:
+        if self.levels.nodes == 1:
             return shard
-        pending = average_async([shard], self.nodes.inter, wire_dtype, feedback)
+        pending = average_async([shard], self.levels.inter, wire_dtype, feedback)
         self.inter_bytes += pending.wire_bytes
         return pending.wait()[0]
