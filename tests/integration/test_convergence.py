@@ -29,3 +29,23 @@ def accuracies():
 def test_accuracy_within_one_point_of_allreduce(accuracies, name):
     assert accuracies["allreduce"] >= 0.95
     assert accuracies[name] >= accuracies["allreduce"] - 0.01, accuracies
+
+
+def hierarchical_names() -> list[str]:
+    """Every algorithm that takes ``hierarchical`` (DASO is built on the node: it has no flag)."""
+    return [n for n in unison.algorithms.names() if "hierarchical" in unison.algorithms.get(n).defaults]
+
+
+@pytest.fixture(scope="module")
+def hierarchical_accuracies():
+    """The same job on 4 ranks as 2 nodes x 2: flat allreduce, then every hierarchical variant."""
+    specs = ["allreduce"] + [f"{n}:hierarchical=true" for n in hierarchical_names()]
+    return launch.run(train_each, 4, specs, env={"UNISON_NODES": "2"}, timeout=900)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", hierarchical_names())
+def test_hierarchical_accuracy_within_one_point_of_allreduce(hierarchical_accuracies, name):
+    accuracies = hierarchical_accuracies
+    assert accuracies["allreduce"] >= 0.95
+    assert accuracies[f"{name}:hierarchical=true"] >= accuracies["allreduce"] - 0.01, accuracies

@@ -214,27 +214,32 @@ def checkpoint_resume(path: str) -> dict:
     return {"step": saved["step"] if saved else None, "diff": max_diff(net, net2)}
 
 
-def bagua_quantize() -> dict:
-    """Bagua's QuantizeAllReduce is hierarchical by default (Bagua's rule): bytegrad's two levels."""
+def bagua_hierarchical(member: str, native: str, **options) -> dict:
+    """Bagua's QuantizeAllReduce and Decentralize are hierarchical by default (Bagua's rule), and
+    ``hierarchical_reduce=True`` says so: unison's ``native`` algorithm on its two levels."""
     from unison.compat.bagua.bagua_define import DistributedAlgorithm
     from unison.compat.bagua.torch_api.distributed import bagua_init
 
     rank = dist.get_rank()
-    nets = []
-    for bagua in (True, False):
+    nets, hierarchical = [], []
+    for how in ("default", "true", "native"):
         torch.manual_seed(0)
         net = MLP(hidden=64)
         opt = sgd(net)
-        if bagua:
-            model, _ = bagua_init(net, opt, DistributedAlgorithm.QuantizeAllReduce)
-            hierarchical = model.bagua_module.algorithm_state.hierarchy is not None
+        if how == "native":
+            model = wrap(native, net, opt, hierarchical=True, **options)
         else:
-            model = wrap("bytegrad", net, opt, hierarchical=True)
+            flag = {"hierarchical_reduce": True} if how == "true" else {}
+            model, _ = bagua_init(net, opt, DistributedAlgorithm[member], **flag)
+            state = model.bagua_module.algorithm_state
+            hierarchical.append(
+                getattr(state, "hierarchy", None) is not None or getattr(state, "nodes", None) is not None
+            )
         for s in range(3):
             step(model, opt, [(rank, *batch(s, rank))])
         nets.append(net)
-        (model.bagua_module if bagua else model).switch_to("allreduce")
-    return {"hierarchical": hierarchical, "diff": max_diff(*nets)}
+        (model if how == "native" else model.bagua_module).switch_to("allreduce")
+    return {"hierarchical": hierarchical, "diff": max(max_diff(nets[0], nets[2]), max_diff(nets[1], nets[2]))}
 
 
 def optimizer_side() -> dict:
@@ -264,7 +269,10 @@ def on_four_ranks() -> dict:
         "round_trip": state_round_trip(),
         "switching": switching(),
         "resume": checkpoint_resume(os.path.join(os.environ["H_CKPT_DIR"], "run.pt")),
-        "bagua": bagua_quantize(),
+        "bagua": {
+            "quantize": bagua_hierarchical("QuantizeAllReduce", "bytegrad"),
+            "decentralize": bagua_hierarchical("Decentralize", "decentralized", peer_selection="all", period=1),
+        },
         "optimizer_side": optimizer_side(),
     }
 
@@ -285,9 +293,10 @@ def test_distributed_optimizer_reduces_the_same_way(four):
         assert r["optimizer_side"] == {"diff": 0.0, "spread": 0.0}
 
 
-def test_bagua_quantize_allreduce_is_hierarchical_by_default(four):
+def test_bagua_quantize_and_decentralize_are_hierarchical_by_default(four):
     for r in four:
-        assert r["bagua"] == {"hierarchical": True, "diff": 0.0}
+        assert r["bagua"]["quantize"] == {"hierarchical": [True, True], "diff": 0.0}
+        assert r["bagua"]["decentralize"] == {"hierarchical": [True, True], "diff": 0.0}
 
 
 @pytest.mark.parametrize("name", list(GRADIENT))

@@ -113,13 +113,12 @@ class ModelSwitchWrapper(DistributedModule):
             synchronized backward (unison's meaning: Bagua broadcasts them once
             at the start; unison always does that).
         delay_reduce: reduce after backward instead of overlapping it.
-        hierarchical_reduce: reduce-scatter inside each node, each shard
-            across nodes by the algorithm's scheme (8 bits for
-            ``QuantizeAllReduce``), all-gather inside the node; on a single
-            node it runs flat. None: Bagua's default, False for
-            ``GradientAllReduce`` and True for the others (for an algorithm
-            unison has no hierarchical mode for yet, None runs flat with a
-            warning and True raises NotImplementedError).
+        hierarchical_reduce: the node first (reduce-scatter inside each
+            node, each shard across nodes by the algorithm's scheme: 8 bits
+            for ``QuantizeAllReduce``, a gossip between nodes for
+            ``Decentralize``; all-gather inside the node); on a single node
+            it runs flat. None: Bagua's default, False for
+            ``GradientAllReduce`` and True for the others.
         message_size: the minimum bytes of a gradient bucket (a bucket closes
             once it holds this much; the first is at most 1 MiB so the first
             reduction starts early). No effect on ``Decentralize``, which
