@@ -75,6 +75,38 @@ def test_contender_specs():
         contenders.parse_list("allreduce:autotune=maybe")
 
 
+def test_default_contenders_get_their_hierarchical_twins_on_several_processes_per_node():
+    from unison import algorithms
+
+    with_option = {n for n in algorithms.names() if "hierarchical" in algorithms.get(n).options_declared}
+    assert {"allreduce", "fp16", "bf16", "bytegrad", "powersgd", "qadam", "nonblocking", "local_sgd"} <= with_option
+    assert "daso" not in with_option  # hierarchical by design: no flat/hierarchical choice
+    flat = [s.text for s in contenders.parse_list(None)]
+    for nodes, procs in ((2, 1), (1, 4)):  # one process per node, or one node: nothing to compare
+        assert [s.text for s in contenders.parse_list(None, False, nodes, procs)] == flat
+    specs = contenders.parse_list(None, False, 2, 2)
+    texts = [s.text for s in specs]
+    twins = [t for t in texts if t not in flat]
+    assert [t for t in texts if t in flat] == flat  # the defaults keep their order
+    expected = [s for s in flat if s.split(":")[0] in with_option]
+    assert twins == [s + ("," if ":" in s else ":") + "hierarchical=true" for s in expected]
+    assert "allreduce:autotune=true,hierarchical=true" in twins
+    for twin in twins:  # each right after its flat twin, already validated
+        assert texts[texts.index(twin) - 1] == twin.rsplit(",", 1)[0].rsplit(":hierarchical", 1)[0]
+        assert specs[texts.index(twin)].options["hierarchical"] is True
+    quick = [s.text for s in contenders.parse_list(None, True, 3, 2)]
+    assert quick == [t for s in contenders.QUICK for t in (s, s + ":hierarchical=true") if t != "ddp:hierarchical=true"]
+    # a list given is run as it is
+    assert [s.text for s in contenders.parse_list("ddp,allreduce,fp16:hierarchical=true", False, 2, 2)] == [
+        "ddp",
+        "allreduce",
+        "fp16:hierarchical=true",
+    ]
+    assert contenders.hierarchical_twin(contenders.parse("allreduce:hierarchical=false")) is None
+    assert contenders.hierarchical_twin(contenders.parse("daso")) is None
+    assert contenders.hierarchical_twin(contenders.parse("ddp")) is None
+
+
 def test_cli_refuses_bad_options(capsys):
     assert cli.main(["bench", "--contenders", "ddp,fp17"]) == 2
     assert "unknown contender 'fp17'" in capsys.readouterr().err
@@ -153,6 +185,70 @@ def test_time_to_target_and_speedups():
     assert losses[0]["time_to_target_s"] == 1.0 and losses[1]["time_to_target_s"] == 0.5
     losses[1] = {"spec": "fp16", "label": "fp16", "status": "failed", "error": "boom"}
     assert report.summarize(losses, workloads.SETTINGS["charlm"], None, target_from="fp16")["target"]["value"] is None
+
+
+def test_hierarchical_results_are_compared_with_their_flat_twins():
+    """2 nodes x 2 processes, 1000 parameters: the twins' link bytes, speed-ups and the recommendation."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    def ok(spec, step_ms, link, curve):
+        return {
+            "spec": spec,
+            "label": spec,
+            "status": "ok",
+            "step_ms": step_ms,
+            "samples_per_s": 1000 / step_ms,
+            "final_quality": curve[-1][2],
+            "curve": curve,
+            "params": 1000,
+            "link_bytes_per_step": link,
+        }
+
+    results = [
+        ok("ddp", 100.0, 6000.0, [[0, 0, 0.1], [4.0, 10, 0.96]]),
+        ok("allreduce", 100.0, 6000.0, [[0, 0, 0.1], [3.0, 10, 0.96]]),
+        ok("allreduce:hierarchical=true", 50.0, 4000.0, [[0, 0, 0.1], [1.0, 10, 0.96]]),
+        ok("powersgd:hierarchical=true", 40.0, 800.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
+        ok("fp16:hierarchical=true", 60.0, 2000.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
+        {"spec": "fp16", "label": "fp16", "status": "failed", "error": "boom"},
+    ]
+    summary = report.summarize(results, workloads.SETTINGS["digits"], None, nodes=2, procs_per_node=2)
+    flat, hier, powersgd, fp16 = results[1:5]
+    assert flat["hierarchical_twin"] == "allreduce:hierarchical=true" and "flat_twin" not in flat
+    assert hier["flat_twin"] == "allreduce"
+    assert hier["link_bytes_vs_flat"] == pytest.approx(2 / 3)
+    assert (hier["step_vs_flat"], hier["target_vs_flat"]) == (2.0, 3.0)
+    assert "flat_twin" not in powersgd and "flat_twin" not in fp16  # their flat twins did not run or failed
+    # a gradient allreduce of S = 4000 bytes: a flat ring of 4 crosses each link 1.5 S, two levels S
+    assert (flat["link_bytes_flat_ring"], flat["link_bytes_two_level"]) == (6000.0, 4000.0)
+    assert (fp16["link_bytes_flat_ring"], fp16["link_bytes_two_level"]) == (3000.0, 2000.0)
+    assert powersgd["link_bytes_two_level"] is None and results[0]["link_bytes_two_level"] is None
+    rec = summary["recommendation"]
+    assert rec["contender"] == "allreduce:hierarchical=true" and rec["hierarchical"] is True
+    assert "4.0x as fast as torch DDP" in rec["text"]
+    assert "It is hierarchical: 3.00x as fast to the target as its flat twin allreduce (3.0 s)." in rec["text"]
+    doc = {
+        "workload": {"name": "synthetic"},
+        "network": {"summary": "2 nodes x 2 processes"},
+        "target": summary["target"],
+        "recommendation": rec,
+        "contenders": results,
+    }
+    out = StringIO()
+    report.print_table(doc, Console(file=out, width=200))
+    row = next(line for line in out.getvalue().splitlines() if "allreduce:hierarchical=true" in line)
+    assert "vs flat" in out.getvalue() and "0.67x" in row
+    # without its flat twin's time to target the text says so; without twins there is no column
+    results[1]["curve"] = [[0, 0, 0.1], [3.0, 10, 0.5]]
+    rec = report.summarize(results, workloads.SETTINGS["digits"], None, nodes=2, procs_per_node=2)["recommendation"]
+    assert "its flat twin allreduce did not reach the target" in rec["text"]
+    flat_only = [results[0], results[1]]
+    report.summarize(flat_only, workloads.SETTINGS["digits"], None, nodes=2, procs_per_node=2)
+    out = StringIO()
+    report.print_table({**doc, "contenders": flat_only}, Console(file=out, width=200))
+    assert "vs flat" not in out.getvalue()
 
 
 # ---- the worker's config, result and stop rule ---------------------------------------
@@ -430,7 +526,8 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
     """Hierarchical allreduce on 2 nodes x 2 processes: only the shards' allreduces cross the links
     (each a ring between 2 nodes: the gradients once per node per step, 2(M-1)/M of them); the
     reduce-scatter and all-gather inside each node stay on its loopback, or the links would carry
-    twice as much."""
+    twice as much. Flat allreduce, its twin, runs too: its ring of 4 crosses each link 1.5 times the
+    gradients, and the report compares the two."""
     out = tmp_path / "b"
     cwd = os.getcwd()
     os.chdir(HERE)
@@ -442,7 +539,7 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
                     "--model",
                     "bench_factory:wide",
                     "--contenders",
-                    "allreduce:hierarchical=true,bytegrad:hierarchical=true",
+                    "allreduce:hierarchical=true,bytegrad:hierarchical=true,allreduce",
                     "--nodes",
                     "2",
                     "--procs-per-node",
@@ -465,9 +562,17 @@ def test_processes_of_a_node_talk_over_its_loopback(tmp_path):
     assert r["status"] == "ok", r.get("error")
     grads = 4 * r["params"]
     assert 0.95 * grads < r["link_bytes_per_step"] < 1.2 * grads
+    assert r["link_bytes_two_level"] == grads and r["link_bytes_flat_ring"] == 1.5 * grads
     r = doc["contenders"][1]  # bytegrad's shards cross in 8 bits: a quarter (and headers)
     assert r["status"] == "ok", r.get("error")
     assert 0.24 * grads < r["link_bytes_per_step"] < 0.32 * grads
+    flat = doc["contenders"][2]  # a ring of 4 crosses each link 2(N-1)/N = 1.5 times the gradients
+    assert flat["status"] == "ok", flat.get("error")
+    assert flat["hierarchical_twin"] == "allreduce:hierarchical=true"
+    hier = doc["contenders"][0]
+    assert hier["flat_twin"] == "allreduce" and "flat_twin" not in r
+    assert hier["link_bytes_vs_flat"] == pytest.approx(hier["link_bytes_per_step"] / flat["link_bytes_per_step"])
+    assert 0.55 < hier["link_bytes_vs_flat"] < 0.8  # 1/1.5 with two levels
 
 
 def bench_json(tmp_path, *argv) -> dict:

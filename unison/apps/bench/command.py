@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
         default=None,
         metavar="LIST",
         help="comma list of unison algorithms (with options: powersgd:rank=2) and peers "
-        f"({', '.join(contenders.PEERS)}); default: all (with --quick: {','.join(contenders.QUICK)})",
+        f"({', '.join(contenders.PEERS)}); default: all (with --quick: {','.join(contenders.QUICK)}), and on "
+        "several nodes of several processes each algorithm's hierarchical=true twin after it",
     )
     what.add_argument("--list", action="store_true", help="print every contender and exit")
     net = p.add_argument_group("the network")
@@ -108,7 +109,11 @@ def add_parser(subparsers) -> None:
     how.add_argument("--batch-size", type=positive_int, default=None, help="samples per step on each rank")
     how.add_argument("--lr", type=positive_float, default=None, help="learning rate")
     how.add_argument("--seed", type=int, default=0, help="seed of the data split and the model")
-    how.add_argument("--quick", action="store_true", help="5 contenders, short runs: a few minutes at most")
+    how.add_argument(
+        "--quick",
+        action="store_true",
+        help="5 contenders (and 4 hierarchical twins with --procs-per-node > 1), short runs: a few minutes at most",
+    )
     how.add_argument(
         "--contender-timeout",
         type=positive_float,
@@ -186,7 +191,7 @@ def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not look in the current folder
         workloads.resolve_factory(config.model)
-    specs = contenders.parse_list(config.contenders, config.quick)
+    specs = contenders.parse_list(config.contenders, config.quick, config.nodes, config.procs_per_node)
     if config.target_from is not None:
         if config.target is not None:
             raise ValueError("give --target or --target-from, not both")
@@ -259,9 +264,9 @@ def announce(
         how_long += f" (up to {run['time_cap_s']:g} s to reach the target)"
     if config.target_from:
         how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
-    console.print(
-        f"unison bench: {config.model or config.workload}, {len(specs)} contenders, {network['summary']}; {how_long}"
-    )
+    twins = sum(1 for s in specs if s.options.get("hierarchical") is True)
+    count = f"{len(specs)} contenders" + (f" ({twins} hierarchical)" if twins else "")
+    console.print(f"unison bench: {config.model or config.workload}, {count}, {network['summary']}; {how_long}")
     for line in deps.skipped(specs):
         console.print(f"[yellow]{escape(line)}[/]")
     if not config.plots:
@@ -288,7 +293,9 @@ def report_doc(
 ) -> dict[str, Any]:
     """The whole report, as the JSON holds it (``plots`` empty until they are drawn)."""
     settings = config.settings()
-    summary = report.summarize(results, settings, config.target, config.target_from)
+    summary = report.summarize(
+        results, settings, config.target, config.target_from, nodes=config.nodes, procs_per_node=config.procs_per_node
+    )
     world = config.nodes * config.procs_per_node
     return {
         "command": " ".join(argv or []),

@@ -98,11 +98,15 @@ def check(spec: Spec) -> None:
     algorithms.create(spec.name, **spec.options)
 
 
-def parse_list(text: Optional[str], quick: bool = False) -> list[Spec]:
+def parse_list(text: Optional[str], quick: bool = False, nodes: int = 1, procs_per_node: int = 1) -> list[Spec]:
     """A comma list of specs, where a comma inside one spec's options is told apart by the ``=`` after it;
-    None or "all" gives every contender (``QUICK`` with ``quick``)."""
+    None or "all" gives every contender (``QUICK`` with ``quick``), each followed by its hierarchical
+    twin when there are several nodes of several processes. A list given is kept as it is."""
     if text is None or text.strip() in ("", "all"):
-        return [parse(s) for s in (QUICK if quick else all_specs())]
+        specs = [parse(s) for s in (QUICK if quick else all_specs())]
+        if nodes > 1 and procs_per_node > 1:
+            specs = [t for s in specs for t in (s, hierarchical_twin(s)) if t is not None]
+        return specs
     items: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
@@ -125,6 +129,33 @@ def all_specs() -> list[str]:
     from ... import algorithms
 
     return list(PEERS) + algorithms.names() + ["allreduce:autotune=true"]
+
+
+def hierarchical_twin(spec: Spec) -> Optional[Spec]:
+    """``spec`` with ``hierarchical=true`` when its algorithm has that option and ``spec`` does not set it, else None."""
+    from ... import algorithms
+
+    if spec.kind != "unison" or "hierarchical" in spec.options:
+        return None
+    if "hierarchical" not in algorithms.get(spec.name).options_declared:
+        return None
+    return parse(spec.text + ("," if spec.options else ":") + "hierarchical=true")
+
+
+def flat_form(text: str) -> Optional[tuple[str, bool]]:
+    """(the contender ``text`` with every option but ``hierarchical``, as one canonical text; whether it is
+    hierarchical), or None when it has no such option (a peer, daso): twins share the first."""
+    from ... import algorithms
+
+    try:
+        algorithm = algorithms.create(text)
+    except (ValueError, TypeError):
+        return None
+    values = dict(algorithm.option_values)
+    if "hierarchical" not in values:
+        return None
+    hierarchical = bool(values.pop("hierarchical"))
+    return f"{algorithm.name}({', '.join(f'{k}={v!r}' for k, v in sorted(values.items()))})", hierarchical
 
 
 def unavailable(spec: Spec) -> Optional[str]:

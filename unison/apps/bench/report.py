@@ -6,9 +6,13 @@ workload's default, or within 2% of the best final quality when the workload
 has none), each contender's time and steps to reach it (the
 first evaluation at or past it, in training time: evaluations pause the
 clock), and speed-ups against torch DDP (DDP's step time or time to target
-over the contender's: above 1 is faster). ``print_table``, ``write_json`` and
-``write_plots`` present it; ``recommend`` names the fastest contender that
-reached the target.
+over the contender's: above 1 is faster). A hierarchical contender whose flat
+twin ran too (``allreduce:hierarchical=true`` and ``allreduce``) is compared
+with it: the bytes on each node's link and the speed-ups over the twin. The
+gradient allreduces (allreduce, nonblocking, fp16, bf16) also get the bytes a
+node's link carries per step at best, flat and with two levels.
+``print_table``, ``write_json`` and ``write_plots`` present it; ``recommend``
+names the fastest contender that reached the target.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import os
 import sys
 from typing import Any, Optional
 
+from . import contenders
 from .workloads import Settings, reached
 
 BASELINE = "ddp"
 RELATIVE_TARGET = 0.02
+#: Bytes per parameter on the wire of the gradient allreduces (whose link bytes are simple to state).
+WIRE_BYTES = {"allreduce": 4, "nonblocking": 4, "fp16": 2, "bf16": 2}
 
 
 def pick_target(
@@ -75,9 +82,15 @@ def time_to_target(
 
 
 def summarize(
-    results: list[dict], settings: Settings, given_target: Optional[float], target_from: Optional[str] = None
+    results: list[dict],
+    settings: Settings,
+    given_target: Optional[float],
+    target_from: Optional[str] = None,
+    nodes: int = 1,
+    procs_per_node: int = 1,
 ) -> dict[str, Any]:
-    """Add time to target and speed-ups vs DDP to each result; return the target and recommendation."""
+    """Add time to target, speed-ups vs DDP, the flat/hierarchical comparison and the ideal link bytes
+    to each result; return the target and recommendation."""
     target, source = pick_target(results, settings, given_target, target_from)
     for r in results:
         if r.get("status") == "ok":
@@ -90,6 +103,8 @@ def summarize(
             "step": _ratio(base["step_ms"] if base else None, r["step_ms"]),
             "target": _ratio(base.get("time_to_target_s") if base else None, r.get("time_to_target_s")),
         }
+        r["link_bytes_flat_ring"], r["link_bytes_two_level"] = ideal_link_bytes(r, nodes, procs_per_node)
+    compare_twins(results)
     return {
         "target": {
             "value": target,
@@ -105,6 +120,41 @@ def _ratio(base: Optional[float], value: Optional[float]) -> Optional[float]:
     return base / value if base and value else None
 
 
+def ideal_link_bytes(result: dict, nodes: int, procs_per_node: int) -> tuple[Optional[float], Optional[float]]:
+    """Bytes per step on a node's link for a gradient allreduce of S bytes on M nodes of P processes:
+    2(N-1)/N x S for a flat ring of N = M x P processes, 2(M-1)/M x S with two levels; (None, None) for
+    the other contenders, and on one node (no link)."""
+    name = result["spec"].partition(":")[0]
+    if name not in WIRE_BYTES or not result.get("params") or nodes < 2:
+        return None, None
+    size, world = WIRE_BYTES[name] * result["params"], nodes * procs_per_node
+    return 2 * (world - 1) / world * size, 2 * (nodes - 1) / nodes * size
+
+
+def compare_twins(results: list[dict]) -> None:
+    """Pair each hierarchical result with its flat twin (same algorithm and other options) when both ran:
+    the flat one gets ``hierarchical_twin``; the hierarchical one ``flat_twin``, ``link_bytes_vs_flat``
+    (its link bytes per step over the twin's; None without an emulated network) and ``step_vs_flat`` and
+    ``target_vs_flat`` (the twin's step time and time to target over its own: above 1 is faster)."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    forms = {r["spec"]: contenders.flat_form(r["spec"]) for r in ok}
+    flat: dict[str, dict] = {}
+    for r in ok:
+        form = forms[r["spec"]]
+        if form is not None and not form[1]:
+            flat.setdefault(form[0], r)
+    for r in ok:
+        form = forms[r["spec"]]
+        twin = flat.get(form[0]) if form is not None and form[1] else None
+        if twin is None:
+            continue
+        twin["hierarchical_twin"] = r["spec"]
+        r["flat_twin"] = twin["spec"]
+        r["link_bytes_vs_flat"] = _ratio(r.get("link_bytes_per_step"), twin.get("link_bytes_per_step"))
+        r["step_vs_flat"] = _ratio(twin["step_ms"], r["step_ms"])
+        r["target_vs_flat"] = _ratio(twin.get("time_to_target_s"), r.get("time_to_target_s"))
+
+
 def recommend(results: list[dict], settings: Settings, target: Optional[float]) -> dict[str, Any]:
     """The fastest contender to the target (or, if none reached it, the highest throughput), in one line."""
     ok = [r for r in results if r.get("status") == "ok"]
@@ -117,7 +167,10 @@ def recommend(results: list[dict], settings: Settings, target: Optional[float]) 
             f"Use {best['label']}: it reached {settings.metric} {_fmt_q(target)} first, "
             f"in {best['time_to_target_s']:.1f} s of training{versus}."
         )
-        return {"contender": best["spec"], "text": text}
+        form = contenders.flat_form(best["spec"])
+        if form is None or not form[1]:
+            return {"contender": best["spec"], "text": text}
+        return {"contender": best["spec"], "text": text + _hierarchical_note(best, ok), "hierarchical": True}
     if ok:
         best = max(ok, key=lambda r: r.get("samples_per_s") or 0)
         text = (
@@ -126,6 +179,21 @@ def recommend(results: list[dict], settings: Settings, target: Optional[float]) 
         )
         return {"contender": None, "text": text}
     return {"contender": None, "text": "Every contender failed; see the errors above and the logs."}
+
+
+def _hierarchical_note(best: dict, ok: list[dict]) -> str:
+    """What the winner's two levels gained over its flat twin, in a sentence."""
+    twin = next((r for r in ok if r["spec"] == best.get("flat_twin")), None)
+    if twin is None:
+        return " It is hierarchical (its flat twin did not run or failed)."
+    if twin.get("time_to_target_s") is None:
+        return f" It is hierarchical; its flat twin {twin['label']} did not reach the target."
+    if best.get("target_vs_flat") is None:  # it reached the target at the first evaluation
+        return f" It is hierarchical; its flat twin {twin['label']} took {twin['time_to_target_s']:.1f} s."
+    return (
+        f" It is hierarchical: {best['target_vs_flat']:.2f}x as fast to the target as its flat twin "
+        f"{twin['label']} ({twin['time_to_target_s']:.1f} s)."
+    )
 
 
 def _fmt_q(q: Optional[float]) -> str:
@@ -150,19 +218,22 @@ def print_table(report: dict, console=None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     target = report["target"]
     linked = any(r.get("link_bytes_per_step") is not None for r in report["contenders"])
+    twins = any(r.get("link_bytes_vs_flat") is not None for r in report["contenders"])
     table = Table(
         title=f"unison bench: {report['workload']['name']} on {report['network']['summary']}",
         caption=f"target: {target['metric']} {_fmt_q(target['value'])} ({target['source']}); "
         "xDDP: torch DDP's time over the contender's (above 1: faster)"
-        + ("; MB/step measured on each node's link" if linked else "; MB/step sent by one rank"),
+        + ("; MB/step measured on each node's link" if linked else "; MB/step sent by one rank")
+        + ("; vs flat: a hierarchical contender's MB/step over its flat twin's" if twins else ""),
     )
     table.add_column("contender", style="bold")
-    for header in ("ms/step", "samples/s", "MB/step", "to target", "final", "xDDP step", "xDDP target"):
+    headers = ["ms/step", "samples/s", "MB/step"] + (["vs flat"] if twins else [])
+    for header in headers + ["to target", "final", "xDDP step", "xDDP target"]:
         table.add_column(header, justify="right", no_wrap=True)
     for r in report["contenders"]:
         if r.get("status") != "ok":
             style = "dim" if r.get("status") == "not installed" else "red"
-            table.add_row(escape(r["label"]), f"[{style}]{r['status']}[/]", *[""] * 6)
+            table.add_row(escape(r["label"]), f"[{style}]{r['status']}[/]", *[""] * (len(headers) + 3))
             continue
         tt = r.get("time_to_target_s")
         sp = r.get("speedup_vs_ddp", {})
@@ -174,6 +245,7 @@ def print_table(report: dict, console=None) -> None:
             f"{r['step_ms']:.1f}",
             f"{r['samples_per_s']:,.0f}",
             f"{_mb(r):.2f}",
+            *([_fmt_x(r.get("link_bytes_vs_flat"))] if twins else []),
             "never" if tt is None else f"{tt:.1f} s",
             f"{r['final_quality']:.4f}",
             _fmt_x(sp.get("step")),
