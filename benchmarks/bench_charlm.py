@@ -25,6 +25,8 @@ benchmarks/results/charlm.json (or --json PATH).
 
     python benchmarks/bench_charlm.py                       # every algorithm, a few minutes
     python benchmarks/bench_charlm.py --algorithms allreduce,local_sgd
+    python benchmarks/bench_charlm.py --nodes 2 --procs-per-node 2 \
+        --algorithms allreduce,local_sgd:hierarchical=true,diloco:hierarchical=true   # 2 x 2
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def verdicts(results: dict) -> None:
 def print_table(info: dict, cfg: dict, results: dict) -> None:
     print(
         f"char-level transformer ({info['params']:,} parameters), {info['characters']:,} characters of stdlib source, "
-        f"2 ranks as {cfg['nodes']} node(s), {cfg['epochs']} epochs x "
+        f"{cfg['nodes'] * cfg['procs_per_node']} ranks as {cfg['nodes']} node(s), {cfg['epochs']} epochs x "
         f"{results['allreduce']['steps'] // cfg['epochs']} steps, AdamW lr {cfg['lr']} ({cfg['schedule']})"
     )
     print(
@@ -198,7 +200,10 @@ def main(argv=None) -> int:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes the 2 ranks form (1 or 2)")
+    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes the ranks form (1 or 2)")
+    parser.add_argument(
+        "--procs-per-node", type=int, default=1, help="ranks per simulated node (2: hierarchical variants run on 2 x 2)"
+    )
     parser.add_argument("--val-batches", type=int, default=16, help="validation windows = this x 64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=os.path.join(HERE, "results", "charlm.json"))
@@ -222,12 +227,13 @@ def main(argv=None) -> int:
             "heads",
             "layers",
             "nodes",
+            "procs_per_node",
             "val_batches",
             "seed",
         )
     }
     start = time.perf_counter()
-    out = launch(worker, 2, names, cfg)[0]
+    out = launch(worker, args.nodes * args.procs_per_node, names, cfg)[0]
     wall = time.perf_counter() - start
     verdicts(out["results"])
     print_table(out["info"], cfg, out["results"])
