@@ -305,3 +305,22 @@ def one_process_per_node():
 def test_one_process_per_node_runs_flat_with_a_warning():
     for r in launch.run(one_process_per_node, 2, env=NODES, timeout=60):
         assert r["warned"] and r["flat"] and r["gap"] == 0.0
+
+
+def shift_one_on_three_nodes() -> str:
+    """shift_one pairs the nodes: 3 nodes of 2 processes are refused at construction, on every rank."""
+    net = MLP()
+    try:
+        unison.DataParallel(
+            net,
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+            algorithm=unison.algorithms.create("decentralized", hierarchical=True, peer_selection="shift_one"),
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_shift_one_needs_an_even_number_of_nodes():
+    for error in launch.run(shift_one_on_three_nodes, 6, env={"UNISON_NODES": "3"}, timeout=120):
+        assert "even number of nodes, got 3" in error, error

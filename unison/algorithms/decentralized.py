@@ -99,6 +99,7 @@ class Decentralized(Streamed[DecentralizedState]):
         if state.nodes is not None:
             levels = state.nodes.levels
             if self.peer_selection == "shift_one" and levels.nodes % 2:
+                state.nodes.close()  # the state is never returned: nobody else would close it
                 raise ValueError(
                     f"hierarchical decentralized with peer_selection='shift_one' pairs the nodes, so it needs an even "
                     f"number of nodes, got {levels.nodes}; use peer_selection='ring' or 'all'"
