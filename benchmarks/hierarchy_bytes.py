@@ -53,12 +53,17 @@ def optimum(name: str, params: int, steps: int, m: int, powersgd_bytes: float) -
     if name == "powersgd":  # plain allreduce until start_iter, then the factors
         warm = min(steps, 10)
         return (warm * ring * s + (steps - warm) * ring * powersgd_bytes) / steps
-    if name in ("local_sgd", "diloco") or name == "decentralized":  # peer_selection "all"
+    if name in ("local_sgd", "diloco", "decentralized"):  # decentralized: peer_selection "all"
         return ring * s / PERIOD
     if name == "low_precision_decentralized":  # a ring of nodes: k neighbour nodes
         k = 1 if m == 2 else 2
         return k * codes(params) / PERIOD
     return None  # async: per round of its thread, not per step
+
+
+def fmt(value: Optional[float], scale: float = 1e6, digits: int = 2) -> str:
+    """``value / scale`` for the table, "-" for none."""
+    return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -95,10 +100,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             "vs_optimum": measured / opt if opt else None,
         }
         rows.append(row)
-
-        def fmt(v, scale=1e6, digits=2):
-            return "-" if v is None else f"{v / scale:.{digits}f}"
-
         print(
             f"{spec:<44} {fmt(measured):>9} {fmt(row['flat']):>9} {fmt(row['vs_flat'], 1):>8} "
             f"{fmt(opt):>9} {fmt(row['vs_optimum'], 1):>7}"

@@ -148,18 +148,21 @@ def test_bad_model_factories():
 
 
 # ---- report arithmetic ------------------------------------------------------------
-def test_time_to_target_and_speedups():
-    def ok(spec, step_ms, curve):
-        return {
-            "spec": spec,
-            "label": spec,
-            "status": "ok",
-            "step_ms": step_ms,
-            "samples_per_s": 1000 / step_ms,
-            "final_quality": curve[-1][2],
-            "curve": curve,
-        }
+def ok(spec, step_ms, curve, **more):
+    """A contender's result as a worker reports it: ``curve`` is [seconds, step, quality] per evaluation."""
+    return {
+        "spec": spec,
+        "label": spec,
+        "status": "ok",
+        "step_ms": step_ms,
+        "samples_per_s": 1000 / step_ms,
+        "final_quality": curve[-1][2],
+        "curve": curve,
+        **more,
+    }
 
+
+def test_time_to_target_and_speedups():
     results = [
         ok("ddp", 100.0, [[0, 0, 0.1], [1.0, 10, 0.8], [2.0, 20, 0.96]]),
         ok("fp16", 50.0, [[0, 0, 0.1], [0.5, 10, 0.95], [1.0, 20, 0.97]]),
@@ -193,25 +196,15 @@ def test_hierarchical_results_are_compared_with_their_flat_twins():
 
     from rich.console import Console
 
-    def ok(spec, step_ms, link, curve):
-        return {
-            "spec": spec,
-            "label": spec,
-            "status": "ok",
-            "step_ms": step_ms,
-            "samples_per_s": 1000 / step_ms,
-            "final_quality": curve[-1][2],
-            "curve": curve,
-            "params": 1000,
-            "link_bytes_per_step": link,
-        }
+    def twin(spec, step_ms, link, curve):
+        return ok(spec, step_ms, curve, params=1000, link_bytes_per_step=link)
 
     results = [
-        ok("ddp", 100.0, 6000.0, [[0, 0, 0.1], [4.0, 10, 0.96]]),
-        ok("allreduce", 100.0, 6000.0, [[0, 0, 0.1], [3.0, 10, 0.96]]),
-        ok("allreduce:hierarchical=true", 50.0, 4000.0, [[0, 0, 0.1], [1.0, 10, 0.96]]),
-        ok("powersgd:hierarchical=true", 40.0, 800.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
-        ok("fp16:hierarchical=true", 60.0, 2000.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
+        twin("ddp", 100.0, 6000.0, [[0, 0, 0.1], [4.0, 10, 0.96]]),
+        twin("allreduce", 100.0, 6000.0, [[0, 0, 0.1], [3.0, 10, 0.96]]),
+        twin("allreduce:hierarchical=true", 50.0, 4000.0, [[0, 0, 0.1], [1.0, 10, 0.96]]),
+        twin("powersgd:hierarchical=true", 40.0, 800.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
+        twin("fp16:hierarchical=true", 60.0, 2000.0, [[0, 0, 0.1], [2.0, 10, 0.9]]),
         {"spec": "fp16", "label": "fp16", "status": "failed", "error": "boom"},
     ]
     summary = report.summarize(results, workloads.SETTINGS["digits"], None, nodes=2, procs_per_node=2)

@@ -32,7 +32,7 @@ from ..replica import Replica
 from .gossip import FlatParams, Received, exchange, flat_params_of, ring_neighbours, round_robin_partner
 from .options import Choice, Int
 from .periodic import StepCount
-from .streamed import Streamed, StreamedState
+from .streamed import Streamed, StreamedState, write_average
 from .streaming import fragments_of
 
 PEER_SELECTIONS = ("all", "shift_one", "ring")
@@ -83,11 +83,6 @@ class Decentralized(Streamed[DecentralizedState]):
     def setup(self, replica: Replica) -> DecentralizedState:
         self.check_optimizers(replica)
         world = replica.world_size
-        if self.peer_selection == "shift_one" and world > 1 and world % 2 and not self.hierarchical:
-            raise ValueError(
-                f"decentralized with peer_selection='shift_one' pairs the ranks, so it needs an even world size, "
-                f"got {world}; use peer_selection='ring' or 'all'"
-            )
         count = StepCount(self.period)
         if not replica.distributed:
             return DecentralizedState(count)
@@ -106,8 +101,13 @@ class Decentralized(Streamed[DecentralizedState]):
                 )
             peers = len(self._peers(levels.node, levels.nodes, 0))
             state.recv = [[[k.new_shard() for _ in range(peers)] for k in a.kinds] for a in state.nodes.averages]
-        elif self.peer_selection == "shift_one" and world % 2:  # hierarchical run flat (one node, or one per node)
-            raise ValueError(f"decentralized with peer_selection='shift_one' needs an even world size, got {world}")
+        elif (
+            self.peer_selection == "shift_one" and world > 1 and world % 2
+        ):  # flat (hierarchical too: one node, one per node)
+            raise ValueError(
+                f"decentralized with peer_selection='shift_one' pairs the ranks, so it needs an even world size, "
+                f"got {world}; use peer_selection='ring' or 'all'"
+            )
         elif self.peer_selection != "all":
             peers = len(self._peers(replica.rank, replica.world_size, 0))
             state.flats = [flat_params_of(f) for f in fragments]
@@ -170,14 +170,10 @@ class Decentralized(Streamed[DecentralizedState]):
     def merge(self, replica: Replica, state: DecentralizedState, fragment: int, result: Any, extra: Any) -> None:
         """Write ``fragment``'s round into the weights (adding the change it makes when it lands late)."""
         f, at_launch = fragment, extra
+        if self.peer_selection == "all" or state.nodes is not None:
+            write_average(state.fragments[f], result, at_launch)
+            return
         with torch.no_grad():
-            if self.peer_selection == "all" or state.nodes is not None:
-                if state.late:  # keep the local steps taken while the round travelled
-                    torch._foreach_sub_(result, at_launch)
-                    torch._foreach_add_(state.fragments[f], result)
-                else:
-                    torch._foreach_copy_(state.fragments[f], result)
-                return
             for fl, bufs, sent in zip(state.flats[f], result, at_launch):
                 mix = bufs[0]
                 for buf in bufs[1:]:

@@ -30,7 +30,7 @@ from ..engine.comm import Waitable
 from ..replica import Replica
 from .options import Bool, Int
 from .periodic import StepCount
-from .streamed import Streamed, StreamedState
+from .streamed import Streamed, StreamedState, write_average
 from .streaming import fragments_of
 
 
@@ -116,10 +116,4 @@ class LocalSGD(Streamed[LocalSGDState]):
         return pending, at_launch
 
     def merge(self, replica: Replica, state: LocalSGDState, fragment: int, result: Any, extra: Any) -> None:
-        averaged, at_launch = result, extra
-        with torch.no_grad():
-            if at_launch is None:
-                torch._foreach_copy_(state.fragments[fragment], averaged)
-            else:  # keep the local steps taken while the average travelled
-                torch._foreach_sub_(averaged, at_launch)
-                torch._foreach_add_(state.fragments[fragment], averaged)
+        write_average(state.fragments[fragment], result, extra)

@@ -28,13 +28,16 @@ class Copies:
 
     def __init__(self, flat: FlatParams, neighbours: list[int]) -> None:
         self.flat = flat
-        start = flat.gather()
+        self.hold(flat.gather(), neighbours)
+
+    def hold(self, start: torch.Tensor, neighbours: list[int]) -> None:
+        """Public copy and neighbour replicas equal to ``start``; the codec and buffers for its size."""
         self.public = start.clone()
         self.replicas = [start.clone() for _ in neighbours]
-        self.codec = MinMax8(flat.numel, chunk_size=CHUNK_SIZE, device=start.device)
+        self.codec = MinMax8(start.numel(), chunk_size=CHUNK_SIZE, device=start.device)
         self.send = self.codec.empty()
         self.received = [self.codec.empty() for _ in neighbours]
-        self.mix = flat.like()
+        self.mix = torch.empty_like(start)
 
     def decoded(self, message: torch.Tensor) -> torch.Tensor:
         """The difference ``message`` carries (a view of the codec's buffer, valid until the next call)."""
@@ -56,12 +59,7 @@ class ShardCopies(Copies):
         start = shards.flat.view(-1)[shards.levels.local_rank * shards.size :][: shards.size]
         with torch.no_grad():
             torch._foreach_copy_(shards.views, [t.detach() for t in shards.like])
-        self.public = start.clone()
-        self.replicas = [start.clone() for _ in neighbours]
-        self.codec = MinMax8(shards.size, chunk_size=CHUNK_SIZE, device=start.device)
-        self.send = self.codec.empty()
-        self.received = [self.codec.empty() for _ in neighbours]
-        self.mix = torch.empty_like(start)
+        self.hold(start, neighbours)
 
 
 class NodeCopies:

@@ -26,7 +26,7 @@ from .gossip import Received, exchange, flat_params_of, ring_neighbours
 from .low_precision_copies import Copies, NodeCopies
 from .options import Int
 from .periodic import StepCount
-from .streamed import Streamed, StreamedState
+from .streamed import Streamed, StreamedState, write_average
 from .streaming import fragments_of
 
 
@@ -149,7 +149,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         if state.shards is not None and state.nodes is not None:  # shards of the node's mean, across nodes
             with torch.no_grad():
                 values = [p.detach().clone() for p in state.nodes.averages[f].tensors]
-            return state.shards.launch(state, f, values), values
+            return state.shards.launch(state, f, values), values if state.late else None
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
@@ -168,12 +168,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
         f, messages, at_launch = fragment, result, extra
         if state.nodes is not None:  # the mixed weights, gathered in the node
-            with torch.no_grad():
-                if state.late:  # keep the local steps taken while the round travelled
-                    torch._foreach_sub_(result, at_launch)
-                    torch._foreach_add_(state.nodes.averages[f].tensors, result)
-                else:
-                    torch._foreach_copy_(state.nodes.averages[f].tensors, result)
+            write_average(state.nodes.averages[f].tensors, result, at_launch)
             return
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]

@@ -69,6 +69,17 @@ class StreamedState(CountedState):
 T = TypeVar("T", bound=StreamedState)
 
 
+def write_average(tensors: list[torch.Tensor], averaged: list[torch.Tensor], at_launch: Optional[list]) -> None:
+    """Write a landed average into ``tensors``: as it is, or, when it landed late (``at_launch``: the
+    values sent), the change it makes to them, so the local steps taken meanwhile are kept."""
+    with torch.no_grad():
+        if at_launch is None:
+            torch._foreach_copy_(tensors, averaged)
+        else:
+            torch._foreach_sub_(averaged, at_launch)
+            torch._foreach_add_(tensors, averaged)
+
+
 class Streamed(Algorithm[T]):
     """Base of the streamed model-averaging algorithms: a sync every ``period`` steps per fragment.
 

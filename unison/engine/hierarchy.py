@@ -120,8 +120,7 @@ class TwoLevel:
         if self.local_size == 1:
             return flat[start:end]
         if self.by_owner:  # each shard reduced onto its owner, in place
-            owned = [(k, flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-            for work in [comm.start(dist.reduce, p, dst=self.owners[k], group=self.intra) for k, p in owned]:
+            for work in [comm.start(dist.reduce, p, dst=o, group=self.intra) for o, p in self._owned(flat, bounds)]:
                 comm.wait(work)
             return flat[start:end]
         shard, pads = self._scratch(flat, bounds)
@@ -143,8 +142,7 @@ class TwoLevel:
                 mine.copy_(shard)
             if self.local_size == 1:
                 return flat
-            owned = [(k, flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-            for work in [comm.start(dist.broadcast, p, src=self.owners[k], group=self.intra) for k, p in owned]:
+            for work in [comm.start(dist.broadcast, p, src=o, group=self.intra) for o, p in self._owned(flat, bounds)]:
                 comm.wait(work)
             return flat
         scratch, pads = self._scratch(flat, bounds)
@@ -159,6 +157,10 @@ class TwoLevel:
         for k, pad in pads.items():
             parts[k].copy_(pad[: parts[k].numel()])
         return flat
+
+    def _owned(self, flat: torch.Tensor, bounds: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+        """(its owner's group rank in ``intra``, the shard) for every shard that is not empty."""
+        return [(self.owners[k], flat[a:b]) for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
 
     def intra_bytes(self, numel: int, itemsize: int, bounds: Optional[Sequence[int]] = None) -> int:
         """Bytes this process sends inside its node for one ``run``: its share of the reduce-scatter
