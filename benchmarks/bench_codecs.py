@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from common import WORKLOADS
 
-from unison.algorithms import powersgd
+from unison.algorithms.gradient import powersgd
 from unison.engine.codecs import LowRank, MinMax8
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +47,7 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
 
 
 def cast_cases(flat: torch.Tensor) -> dict:
-    """The cast codecs: float32 bucket to the wire dtype and back (what ``unison.algorithms.cast`` runs)."""
+    """The cast codecs: float32 bucket to the wire dtype and back (what ``unison.algorithms.gradient.cast`` runs)."""
     cases = {}
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         wire = torch.empty(flat.numel(), dtype=dtype)
@@ -70,7 +70,7 @@ def minmax_cases(flat: torch.Tensor, rows: int, chunk_size: int) -> dict:
 
 
 def powersgd_cases(mats: list[torch.Tensor], rank: int) -> dict:
-    """PowerSGD's local work on every compressible matrix (``LowRank``, as ``unison.algorithms.powersgd`` runs it)."""
+    """PowerSGD's local work on every compressible matrix (``LowRank``, as ``unison.algorithms.gradient.powersgd`` runs it)."""
     low = LowRank([m.shape for m in mats], rank)
     low.q_flat.copy_(torch.randn(low.q_flat.shape, generator=torch.Generator().manual_seed(0)))
     residuals = [torch.zeros_like(m) for m in mats]

@@ -7,7 +7,7 @@ with a choice of how the replicas agree.
 """
 
 from . import algorithms
-from .algorithms.qadam_optimizer import QAdamOptimizer
+from .algorithms.gradient.qadam_optimizer import QAdamOptimizer
 from .checkpoint import load, save
 from .data import ShardSampler, sharded_loader
 from .optim import DistributedOptimizer

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .algorithms.base import Algorithm
+from .algorithms.contract import Algorithm
 from .engine.buckets import MB
 from .engine.comm import check_same_everywhere
 from .engine.reducer import GradReducer

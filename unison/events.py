@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .algorithms.base import Algorithm, State
+from .algorithms.contract import Algorithm, State
 from .engine.buckets import Bucket
 from .engine.comm import Waitable
 from .replica import Replica

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as algos
-from .algorithms.qadam_optimizer import QAdamOptimizer
+from .algorithms.gradient.qadam_optimizer import QAdamOptimizer
 from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries
 from .engine.comm import default_broadcast
 

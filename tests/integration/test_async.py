@@ -14,8 +14,8 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from unison.algorithms import async_ as async_average
 from unison.algorithms import averaging_thread
+from unison.algorithms.averaging import asynchronous as async_average
 
 #: A check that waits for something polls until this many seconds have passed.
 DEADLINE_S = 20.0

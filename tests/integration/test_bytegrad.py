@@ -16,7 +16,7 @@ from scenarios import mse_loss, spread_across_ranks
 from unit.codec_reference import dequantize_minmax, minmax_bytes, quantize_minmax
 
 import unison
-from unison.algorithms.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
+from unison.algorithms.gradient.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
 from unison.engine import codecs
 from unison.engine.codecs import MinMax8
 

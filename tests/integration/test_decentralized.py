@@ -17,7 +17,7 @@ from models import MLP, BNNet, batch, image_batch
 from scenarios import spread_across_ranks
 
 import unison
-from unison.algorithms.gossip import ring_neighbours, round_robin_partner
+from unison.algorithms.averaging.decentralized import ring_neighbours, round_robin_partner
 
 
 class TwoDtypes(torch.nn.Module):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from unison.algorithms.daso_schedule import FIRST_GLOBAL_SKIP, PATIENCE, PendingSync, Plan, Schedule
+from unison.algorithms.averaging.daso import FIRST_GLOBAL_SKIP, PATIENCE, PendingSync, Plan, Schedule
 
 
 def skips(s: Schedule) -> tuple[int, int, int]:

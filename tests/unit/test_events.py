@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unison.algorithms.base import Algorithm, State
+from unison.algorithms.contract import Algorithm, State
 from unison.core import Core
 from unison.events import Dispatcher
 from unison.replica import Replica

@@ -15,22 +15,22 @@ import ast
 import importlib
 from typing import Any, Union
 
-from .base import Algorithm, State
+from .contract import Algorithm, State
 
 _BUILTIN: dict[str, str] = {
-    "allreduce": "allreduce:AllReduce",
-    "powersgd": "powersgd:PowerSGD",
-    "bf16": "cast:BF16",
-    "fp16": "cast:FP16",
-    "local_sgd": "local_sgd:LocalSGD",
-    "nonblocking": "nonblocking:NonBlocking",
-    "bytegrad": "bytegrad:ByteGrad",
-    "qadam": "qadam:QAdam",
-    "decentralized": "decentralized:Decentralized",
-    "low_precision_decentralized": "low_precision_decentralized:LowPrecisionDecentralized",
-    "async": "async_:AsyncModelAverage",
-    "daso": "daso:DASO",
-    "diloco": "diloco:DiLoCo",
+    "allreduce": "gradient.allreduce:AllReduce",
+    "powersgd": "gradient.powersgd:PowerSGD",
+    "bf16": "gradient.cast:BF16",
+    "fp16": "gradient.cast:FP16",
+    "local_sgd": "averaging.local_sgd:LocalSGD",
+    "nonblocking": "gradient.nonblocking:NonBlocking",
+    "bytegrad": "gradient.bytegrad:ByteGrad",
+    "qadam": "gradient.qadam:QAdam",
+    "decentralized": "averaging.decentralized:Decentralized",
+    "low_precision_decentralized": "averaging.low_precision_decentralized:LowPrecisionDecentralized",
+    "async": "averaging.asynchronous:AsyncModelAverage",
+    "daso": "averaging.daso:DASO",
+    "diloco": "averaging.diloco:DiLoCo",
 }
 _REGISTERED: dict[str, type[Algorithm[Any]]] = {}
 
@@ -60,7 +60,7 @@ def create(name: str, **options: Any) -> Algorithm[Any]:
     """An algorithm instance by name, with its options validated.
 
     Options can also be written in the name, as on the command line:
-    ``create("powersgd:rank=2,start_iter=0")`` is ``create("powersgd", rank=2, start_iter=0)``.
+    ``create("gradient.powersgd:rank=2,start_iter=0")`` is ``create("powersgd", rank=2, start_iter=0)``.
     """
     name, written = parse(name)
     return get(name)(**{**written, **options})

@@ -15,8 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 import unison
-from unison.algorithms.daso import DASOState
-from unison.algorithms.daso_schedule import Schedule
+from unison.algorithms.averaging.daso import DASOState, Schedule
 
 from ..core.communication import MPICommunication, as_communicator, is_mpi_comm
 

@@ -16,12 +16,12 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.buckets import Bucket
-from ..engine.comm import Waitable, ring_bytes, start
-from ..replica import Replica
-from .base import Algorithm, State
-from .hierarchical import Hierarchy, hierarchy
-from .options import Bool
+from ...engine.buckets import Bucket
+from ...engine.comm import Waitable, ring_bytes, start
+from ...replica import Replica
+from ..contract import Algorithm, State
+from ..hierarchical import Hierarchy, hierarchy
+from ..options import Bool
 
 
 class CastState(State):

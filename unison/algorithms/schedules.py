@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..replica import Replica
-from .base import State
+from .contract import State
 
 
 class StepCount:

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine import buckets as bucketing
-from ..replica import Replica
+from ...engine import buckets as bucketing
+from ...replica import Replica
 
 #: Candidate bucket sizes in MiB, besides the model's own ``bucket_cap_mb``.
 CANDIDATES_MB = (1, 4, 10, 25, 64)

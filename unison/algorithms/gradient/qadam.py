@@ -17,14 +17,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.buckets import Bucket, split
-from ..engine.comm import CommThread, Waitable, ring_bytes, start
-from ..engine.flatstate import FlatState
-from ..replica import Replica
-from .base import Algorithm, ThreadedState, open_thread
+from ...engine.buckets import Bucket, split
+from ...engine.comm import CommThread, Waitable, ring_bytes, start
+from ...engine.flatstate import FlatState
+from ...replica import Replica
+from ..contract import Algorithm, ThreadedState, open_thread
+from ..hierarchical import Hierarchy, hierarchy
+from ..options import Bool
 from .bytegrad import bucket_exchange, exchange_cross, wire_bytes_8bit
-from .hierarchical import Hierarchy, hierarchy
-from .options import Bool
 from .qadam_optimizer import QAdamOptimizer, beta1_like
 
 #: Values per 8-bit quantization chunk (as bytegrad's default).

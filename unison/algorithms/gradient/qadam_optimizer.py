@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from ..engine.buckets import Bucket, split
+from ...engine.buckets import Bucket, split
 
 
 class QAdamOptimizer(torch.optim.Optimizer):

@@ -25,13 +25,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.averaging import AsyncAverage, average_
-from ..engine.comm import Waitable
-from ..replica import Replica
-from .options import Bool, Int
-from .periodic import StepCount
-from .streamed import Streamed, StreamedState, write_average
-from .streaming import fragments_of
+from ...engine.averaging import AsyncAverage, average_
+from ...engine.comm import Waitable
+from ...replica import Replica
+from ..options import Bool, Int
+from ..schedules import StepCount
+from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
 
 class LocalSGDState(StreamedState):

@@ -25,14 +25,14 @@ from typing import Any, Optional, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ..engine import comm
-from ..engine.buckets import Bucket
-from ..engine.comm import Waitable
-from ..replica import Replica
-from .base import Algorithm, State
+from ...engine import comm
+from ...engine.buckets import Bucket
+from ...engine.comm import Waitable
+from ...replica import Replica
+from ..contract import Algorithm, State
+from ..hierarchical import Hierarchy, hierarchy
+from ..options import Bool
 from .bucket_tuner import BucketTuner
-from .hierarchical import Hierarchy, hierarchy
-from .options import Bool
 
 
 class AllReduceState(State):

@@ -18,14 +18,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine.buckets import Bucket
-from ..engine.comm import CommThread, Waitable
-from ..engine.exchange import PART_VALUES, Exchange, wire_bytes_8bit
-from ..engine.flatstate import FlatState
-from ..replica import Replica
-from .base import Algorithm, ThreadedState, open_thread
-from .hierarchical import Hierarchy, hierarchy
-from .options import Bool, Int
+from ...engine.buckets import Bucket
+from ...engine.comm import CommThread, Waitable
+from ...engine.exchange import PART_VALUES, Exchange, wire_bytes_8bit
+from ...engine.flatstate import FlatState
+from ...replica import Replica
+from ..contract import Algorithm, ThreadedState, open_thread
+from ..hierarchical import Hierarchy, hierarchy
+from ..options import Bool, Int
 
 __all__ = [
     "PART_VALUES",

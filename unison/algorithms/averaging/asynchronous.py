@@ -17,15 +17,40 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..engine.hierarchy import TwoLevel
-from ..replica import Replica
-from ..runtime import collective_timeout
-from .async_nodes import NodeRound
-from .averaging_thread import AveragingThread, FlatRound
-from .base import Algorithm
-from .hierarchical import two_level
-from .options import Bool, Int, Number
-from .periodic import CountedState, StepCount
+from ...engine.hierarchy import TwoLevel
+from ...engine.node_average import NodeAverage
+from ...replica import Replica
+from ...runtime import collective_timeout
+from ..averaging_thread import AveragingThread, FlatRound
+from ..contract import Algorithm
+from ..hierarchical import two_level
+from ..options import Bool, Int, Number
+from ..schedules import CountedState, StepCount
+
+
+class NodeRound(FlatRound):
+    """``FlatRound``'s snapshot and average buffers, averaged in two levels over ``levels``.
+
+    ``launch`` runs the three legs (blocking: the averaging thread calls it, and each leg
+    waits for the one before); ``wire_bytes`` is what the last round sent, both legs.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], levels: TwoLevel) -> None:
+        super().__init__(params, levels.intra)
+        self.node = NodeAverage(self.snap_views, levels)
+
+    def launch(self) -> "NodeRound":
+        before = self.node.sent
+        torch._foreach_copy_(self.delta_views, self.node.run(self.snap_views))
+        self.wire_bytes = self.node.sent - before
+        return self
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree
 from torch.optim import Optimizer
 
-from ..replica import Replica
+from ...replica import Replica
 from .allreduce import AllReduce, AllReduceState
 
 
