@@ -90,11 +90,11 @@ def main() -> None:
     if args.worker:
         return worker(args.mb, args.reps)
     from unison.apps.bench import netem
-    from unison.runtime import free_port
 
     nodes, per_node = 2, 2
     with netem.Network(nodes, args.bandwidth, args.latency) as net:
-        port, procs = free_port(), []
+        # Rank 0 hosts the store in node 0's namespace, made by this run: nothing else listens there.
+        port, procs = 29500, []
         for rank in range(nodes * per_node):
             node, local = divmod(rank, per_node)
             env = {

@@ -8,8 +8,6 @@ import torch
 from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from unison.runtime import free_port
-
 
 def mlp() -> nn.Module:
     """About 21M parameters, as in the reference measurements."""
@@ -51,7 +49,7 @@ def launch(fn, nproc: int, *args) -> dict:
         nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint="127.0.0.1:0",  # as torchrun --standalone: the launcher's store binds a port the OS picks
         max_restarts=0,
         start_method="spawn",
     )

@@ -1,7 +1,10 @@
 """Run a function on N real processes joined by a gloo process group on loopback.
 
 Processes come from a forkserver that has already imported torch, so each group
-starts in well under a second; several checks share one group.
+starts in well under a second; several checks share one group. The group's store
+is served by the test's process on a port the OS picked as it bound it, as
+torchrun's agent serves its workers' (``unison.runtime.serve_store``): every rank
+is a client, and a rank's death leaves the store up.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from unison.runtime import free_port
+from unison.runtime import client_env, serve_store
 
 
 def torchrun(*args: str, cwd: Any, timeout: float) -> subprocess.CompletedProcess:
@@ -29,12 +32,11 @@ def torchrun(*args: str, cwd: Any, timeout: float) -> subprocess.CompletedProces
 
 
 def _worker(
-    rank: int, fn: Callable, world: int, port: int, outdir: str, env: dict, args: tuple, pg_timeout: float
+    rank: int, fn: Callable, world: int, store_env: dict, outdir: str, env: dict, args: tuple, pg_timeout: float
 ) -> None:
     os.environ.update(
         {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **store_env,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
@@ -56,13 +58,13 @@ def _worker(
         unison.shutdown()
 
 
-def _start(fn: Callable, world: int, args: tuple, outdir: str, pg_timeout: float, env: Optional[dict]):
-    """Start ``world`` ranks from the forkserver; each writes its outcome to ``outdir/<rank>.pt``."""
+def _start(fn: Callable, world: int, args: tuple, outdir: str, pg_timeout: float, env: Optional[dict], store):
+    """Start ``world`` ranks from the forkserver on ``store``; each writes its outcome to ``outdir/<rank>.pt``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "unison"])
     return mp.start_processes(
         _worker,
-        args=(fn, world, free_port(), outdir, env or {}, args, pg_timeout),
+        args=(fn, world, client_env(store), outdir, env or {}, args, pg_timeout),
         nprocs=world,
         join=False,
         start_method="forkserver",
@@ -90,8 +92,9 @@ def run(
     Fails with every rank's traceback if any rank raised, and kills the group
     if it has not finished within ``timeout`` seconds (a hang is a failure).
     """
+    store = serve_store()  # up until every rank has ended
     with tempfile.TemporaryDirectory() as outdir:
-        procs = _start(fn, world, args, outdir, pg_timeout, env)
+        procs = _start(fn, world, args, outdir, pg_timeout, env, store)
         deadline = time.monotonic() + timeout
         failure = None
         try:
@@ -120,8 +123,9 @@ def run_outcomes(
     code. A group still running after ``timeout`` seconds is killed and fails
     the test (a hang).
     """
+    store = serve_store()  # up until every rank has ended
     with tempfile.TemporaryDirectory() as outdir:
-        procs = _start(fn, world, args, outdir, pg_timeout, env)
+        procs = _start(fn, world, args, outdir, pg_timeout, env, store)
         deadline = time.monotonic() + timeout
         for p in procs.processes:
             p.join(max(0.1, deadline - time.monotonic()))

@@ -659,6 +659,7 @@ def bench_without(module: str, out, *argv: str) -> subprocess.CompletedProcess:
             ["matplotlib is not installed, and the plots need it", "--no-plot"],
         ),
         ("sklearn", ["--workload", "digits", "--no-plot"], ["scikit-learn is not installed, and the digits workload"]),
+        ("rich", ["--model", "bench_factory:tiny", "--no-plot"], ["rich is not installed, and the bench's output"]),
     ],
 )
 def test_a_missing_optional_module_stops_the_bench_before_any_contender(tmp_path, module, argv, words):

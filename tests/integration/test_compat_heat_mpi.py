@@ -73,20 +73,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_heat_layer_under_mpiexec(tmp_path):
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path / "out")
     script = tmp_path / "heat_mpi.py"
     script.write_text(SCRIPT.format(tests=tests, out=out))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    from unison.runtime import client_env, serve_store
+
+    store = serve_store()  # the ranks' rendezvous store, bound here before they start (kept up until they end)
+    env = {**os.environ, **client_env(store)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "UNISON_NODES"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), env.get("PYTHONPATH", "")])

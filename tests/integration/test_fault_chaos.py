@@ -185,7 +185,7 @@ class Job:
         """The memberships the coordinator published, in order."""
         found = []
         for line in self.lines:
-            if "unison coordinator: regroup: epoch" in line:
+            if "unison.launch: regroup: epoch" in line:  # the coordinator's log record
                 found.append(json.loads(line.split("members ", 1)[1].split(" (", 1)[0]))
         return found
 
@@ -457,14 +457,10 @@ def test_a_collective_that_ends_as_its_wait_slice_runs_out_is_no_failure():
     membership that never comes). Before the fix 2-4 of 50 broadcasts of 128 MiB misfired per rank."""
     import datetime
 
-    import torch.distributed as dist
+    from unison.runtime import serve_store
 
-    from unison.runtime import free_port
-
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-    )
+    store = serve_store(timeout=datetime.timedelta(seconds=30))
+    port = store.port
     try:
         outcomes = run_ranks(_long_broadcasts, 2, port, 40, timeout=120)
     finally:
@@ -527,14 +523,10 @@ def test_a_membership_replaced_while_its_members_gather_is_built_by_all_or_none(
     a group the others skipped."""
     import datetime
 
-    import torch.distributed as dist
+    from unison.runtime import serve_store
 
-    from unison.runtime import free_port
-
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-    )
+    store = serve_store(timeout=datetime.timedelta(seconds=30))
+    port = store.port
     # Busy processes stretch the ranks' scheduling delays: the moments each watcher sees the newer
     # membership spread out (without load the old code split about once in hundreds of trials,
     # with it in most runs of 40 trials).

@@ -11,7 +11,6 @@ torchrun-style, loses a rank mid-training. The checks compare what each rank wro
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -50,12 +49,6 @@ def _env(**extra: str) -> dict:
     )  # unison from this checkout unless installed
     env.update(extra)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -180,13 +173,15 @@ def test_switch_from_a_callback_and_resume_with_the_switched_algorithm(runs):
 
 
 def test_a_dead_rank_is_named_not_waited_for(tmp_path):
-    """Launched torchrun-style (Lightning's TorchElastic environment): rank 1 exits at step 3."""
-    port = _free_port()
+    """Launched torchrun-style (Lightning's TorchElastic environment; the store is this process's, as
+    torchrun's agent's is): rank 1 exits at step 3."""
+    from unison.runtime import client_env, serve_store
+
+    store = serve_store()
     procs = []
     for rank in range(2):
         env = _env(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            **client_env(store),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             GROUP_RANK="0",

@@ -77,3 +77,12 @@ def test_a_bad_algorithm_spec_is_refused_before_anything_starts(capsys, spec, wo
 def test_qadam_with_the_option_syntax_gets_its_own_optimizer():
     params = torch.nn.Linear(2, 2).parameters()
     assert isinstance(train.build_optimizer(train.TrainConfig(algorithm="qadam:"), params), unison.QAdamOptimizer)
+
+
+@pytest.mark.parametrize("module, package", [("rich", "rich"), ("sklearn", "scikit-learn")])
+def test_train_without_the_demo_extra_says_what_to_install(module, package):
+    """The core install has torch alone: ``unison train`` names what is missing before any process starts."""
+    code = f"import sys; sys.modules[{module!r}] = None; from unison.apps import cli; sys.exit(cli.main(['train']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"unison train: {package} is not installed" in proc.stderr and 'pip install "unison[demo]"' in proc.stderr

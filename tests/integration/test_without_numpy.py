@@ -1,4 +1,4 @@
-"""The core install (torch and rich, no NumPy) trains, switches, saves and loads on 2 ranks:
+"""The core install (torch alone, no NumPy) trains, switches, saves and loads on 2 ranks:
 torch's *_object collectives need NumPy, unison's own do not."""
 
 import os

@@ -162,3 +162,51 @@ def test_sharded_loader_alone_sees_everything():
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
     loader = unison.sharded_loader(data, batch_size=4)
     assert sorted(torch.cat([b for (b,) in loader]).tolist()) == list(map(float, range(10)))
+
+
+# ---- the store: bound by whoever serves it, never a port found free and bound later ----------
+def test_a_served_store_is_bound_and_its_clients_environment_points_at_it():
+    from datetime import timedelta
+
+    from unison.runtime import client_env, serve_store
+
+    store = serve_store(timeout=timedelta(seconds=5))
+    assert store.port > 0  # the OS's choice, bound
+    env = client_env(store)
+    assert env == {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+@pytest.mark.parametrize(
+    "agent_store, named, ranks",
+    [(None, "rank 0, which hosts the rendezvous store, cannot be reached", [0]), ("True", "the launcher's", [])],
+)
+def test_a_failure_with_the_store_gone_names_whoever_hosted_it(monkeypatch, agent_store, named, ranks):
+    """Under env:// rendezvous rank 0 hosts the store, so a store that cannot be reached names rank 0;
+    under torchrun's agent store (and tests/launch.py's) it is the launcher's."""
+    from datetime import timedelta
+
+    from unison.runtime import health, serve_store
+
+    if agent_store is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    server = serve_store(timeout=timedelta(seconds=2))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    beat = health.Heartbeat(client, rank=1, world=2)
+    monkeypatch.setattr(health, "_heartbeat", beat)
+    try:
+        del server  # its host died
+        failure = health.explain(RuntimeError("Connection reset by peer"), "the allreduce")
+    finally:
+        beat.close()
+    assert isinstance(failure, unison.RankFailure)
+    assert named in str(failure) and failure.ranks == ranks

@@ -2,17 +2,27 @@
 
 Subcommands live in one argparse parser so more (``unison bench``) can be added
 beside ``train``. ``main()`` is the console-script entry point and returns the exit code.
+
+The core install (torch alone) runs ``unison launch`` and ``unison coordinator``:
+nothing here imports rich unless a command that needs it runs (``train`` needs
+the ``demo`` extra, ``bench`` the ``bench`` extra, and each says so when it is
+missing). ``main`` shows the library's log records (``logs.install``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Any, Optional, Sequence
 
 from .. import algorithms
+from . import logs
 from .argtypes import algorithm, non_negative_int, positive_float, positive_int
+
+#: What ``unison train`` imports beyond torch (module, package): the ``demo`` extra installs them.
+TRAIN_NEEDS = (("sklearn", "scikit-learn"), ("rich", "rich"))
 
 
 def add_train_parser(subparsers) -> None:
@@ -133,6 +143,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         print("unison train: --checkpoint-every needs --checkpoint-dir", file=sys.stderr)
         return 2
+    missing = missing_packages(TRAIN_NEEDS)
+    if missing:
+        what = " and ".join(missing) + (" is" if len(missing) == 1 else " are")
+        print(f'unison train: {what} not installed: pip install "unison[demo]"', file=sys.stderr)
+        return 2
     if not args.fault_tolerant:
         used = [name for name, value in ft_options(args).items() if value]
         if used:
@@ -190,6 +205,17 @@ def run_train_fault_tolerant(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
+def missing_packages(needs: Sequence[tuple[str, str]]) -> list[str]:
+    """The packages of ``needs`` ((module, package) pairs) whose module cannot be imported here."""
+    missing = []
+    for module, package in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 def root_cause(exc) -> str:
     """One line naming the first failed rank and its error, to end a long launcher report."""
     rank, failure = exc.get_first_failure()
@@ -217,6 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    logs.install()
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -4,7 +4,8 @@
 coordinator that hosts the store and spawns N workers running ``python
 script.py ARGS``; ``unison coordinator --port P`` serves workers started
 elsewhere (each with ``UNISON_FT_ADDR`` and ``UNISON_FT_PORT`` set). See
-docs/fault-tolerance.md.
+docs/fault-tolerance.md. Both need torch alone: the coordinator's lines are log
+records (the ``unison.launch`` logger), plain text without rich.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..runtime import coordinator, free_port
+from ..runtime import coordinator
 from .argtypes import non_negative_int, positive_float, positive_int
 
 
@@ -44,7 +45,12 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--nproc", type=positive_int, required=True, help="worker processes to start")
     p.add_argument("--respawn", action="store_true", help="start a replacement for each worker that dies")
     p.add_argument("--max-respawns", type=non_negative_int, default=None, help="most replacements (default: no limit)")
-    p.add_argument("--port", type=positive_int, default=None, help="the store's port (default: a free one)")
+    p.add_argument(
+        "--port",
+        type=positive_int,
+        default=None,
+        help="the store's port (default: one the OS picks as the store binds it)",
+    )
     _common(p)
     p.add_argument("script", help="the training script, run as `python script ARGS`")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -78,7 +84,7 @@ def run_launch(args: argparse.Namespace) -> int:
         return 2
     settings = _settings(args, args.nproc, respawn=args.respawn, max_respawns=args.max_respawns)
     command = [sys.executable, args.script, *args.args]
-    return coordinator.main(settings, command, args.port or free_port())
+    return coordinator.main(settings, command, args.port or 0)
 
 
 def run_coordinator(args: argparse.Namespace) -> int:

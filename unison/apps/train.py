@@ -31,9 +31,13 @@ from torch import nn
 
 import unison
 from unison import algorithms
-from unison.runtime import free_port
 
 from .workloads.digits import Digits, load_data  # noqa: F401  (the job's data)
+
+#: The rendezvous of one machine, as ``torchrun --standalone`` makes it: port 0 asks the c10d
+#: backend's store, hosted by the launcher in this process, to bind a port the OS picks (the
+#: workers learn it from the launcher), so no port is chosen before it is bound.
+STANDALONE_ENDPOINT = "127.0.0.1:0"
 
 # The qadam run's Adam step size and full-precision warm-up (in steps; an epoch is 23 on 2 ranks).
 QADAM_LR = 0.003
@@ -313,7 +317,7 @@ def launch(config: TrainConfig) -> dict[str, Any]:
         nproc_per_node=config.nproc,
         run_id=f"unison-train-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=STANDALONE_ENDPOINT,
         max_restarts=config.max_restarts,
         start_method="spawn",
         local_addr="127.0.0.1",

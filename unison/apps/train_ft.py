@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,10 +31,13 @@ from torch import nn
 import unison
 from unison import algorithms
 from unison.fault import SUPPORTED, check_supported
-from unison.runtime import coordinator, free_port
+from unison.runtime import coordinator
 
+from . import logs
 from .train import TrainConfig, accuracy, build_model, build_optimizer
 from .workloads.digits import load_data
+
+log = logging.getLogger("unison.train")
 
 #: What the coordinator's log adds to the workers' events (its regroups are the workers' too).
 COORDINATOR_KINDS = ("failure", "leave", "respawn", "abort")
@@ -149,7 +153,7 @@ def launch(config: TrainConfig, plan: FaultPlan) -> dict[str, Any]:
         )
         command = [sys.executable, "-m", "unison.apps.train_ft", job]
         start = time.time()
-        boss = coordinator.Coordinator(settings, command, free_port())
+        boss = coordinator.Coordinator(settings, command)  # its store binds a port the OS picks
         code = boss.run()
         wall = time.time() - start
         path = os.path.join(out, SUMMARY_FILE)
@@ -274,10 +278,13 @@ def run_worker(config: TrainConfig, plan: FaultPlan, out: str) -> None:
             optimizer.step()
             total, seen = total + loss.item() * len(y), seen + len(y)
         if ft.rank == 0:
-            print(
-                f"epoch {epoch + 1}/{config.epochs}: step {ft.step}, members {ft.members}, "
-                f"loss {total / max(seen, 1):.4f} (rank 0)",
-                flush=True,
+            log.info(
+                "epoch %d/%d: step %d, members %s, loss %.4f (rank 0)",
+                epoch + 1,
+                config.epochs,
+                ft.step,
+                ft.members,
+                total / max(seen, 1),
             )
     if plan.respawn:
         wait_for_replacements(ft, config.nproc)
@@ -337,8 +344,10 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """A worker's entry point: ``python -m unison.apps.train_ft JOB.json``."""
+    """A worker's entry point: ``python -m unison.apps.train_ft JOB.json``; its log records (the
+    epochs on rank 0, the library's) go to stderr as ``unison``'s do (``logs.install``)."""
     (path,) = sys.argv[1:] if argv is None else argv
+    logs.install()
     with open(path) as f:
         job = json.load(f)
     run_worker(TrainConfig(**job["config"]), FaultPlan(**job["plan"]), job["out"])

@@ -16,20 +16,29 @@ keys of the TCPStore it hosts (no training rank hosts it, so any rank may die):
 
 The coordinator learns of a child's death at once (``poll``) and of a hang by
 a heartbeat that stopped moving. It never signals a member.
+
+What it sees goes to the ``unison.launch`` logger: regroups, leaves and
+respawns at INFO, failures at WARNING, an abort at ERROR (``unison launch``
+shows INFO and above).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
+
+logger = logging.getLogger("unison.launch")
+
+#: The level of each kind of note (``Coordinator.note``); any other kind is INFO.
+LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR}
 
 #: Seconds a heartbeat may stand still before its worker is evicted.
 STALE_S = 2.0
@@ -75,16 +84,22 @@ class Coordinator:
     Args:
         settings: the job's Settings.
         command: the worker's command line (None: workers are started elsewhere).
-        port: the store's port on ``host``.
+        port: the store's port on ``host``; 0 (the default): one the OS picks as the
+            store binds it, then ``self.port``.
+        host: the address the store listens on.
     """
 
-    def __init__(self, settings: Settings, command: Optional[Sequence[str]], port: int, host: str = "0.0.0.0") -> None:
+    def __init__(
+        self, settings: Settings, command: Optional[Sequence[str]], port: int = 0, host: str = "0.0.0.0"
+    ) -> None:
         if settings.min_replicas < 1:
             raise ValueError(f"--min-replicas must be at least 1, got {settings.min_replicas}")
         if settings.nproc and settings.min_replicas > settings.nproc:
             raise ValueError(f"--min-replicas {settings.min_replicas} is more than --nproc {settings.nproc}")
-        self.settings, self.command, self.port = settings, list(command or []), port
+        self.settings, self.command = settings, list(command or [])
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.port = self.store.port  # the port bound (the OS's choice when asked for 0)
+        logger.info("the job's store listens on %s:%d", host, self.port)
         self.workers: dict[int, Worker] = {}
         self.members: list[int] = []
         self.epoch = 0
@@ -103,8 +118,9 @@ class Coordinator:
         return worker
 
     def note(self, kind: str, detail: str) -> None:
+        """Keep an event in ``self.log`` and log it (``LEVELS``)."""
         self.log.append((time.time(), kind, detail))
-        print(f"unison coordinator: {kind}: {detail}", file=sys.stderr, flush=True)
+        logger.log(LEVELS.get(kind, logging.INFO), "%s: %s", kind, detail)
 
     def _discover(self) -> None:
         """Workers started elsewhere take ids from the store's counter: look for their join keys."""
@@ -243,6 +259,7 @@ class Coordinator:
         return 0
 
 
-def main(settings: Settings, command: Optional[Sequence[str]], port: int) -> int:
-    """Run a coordinator until its job ends (the ``unison launch``/``unison coordinator`` commands)."""
+def main(settings: Settings, command: Optional[Sequence[str]], port: int = 0) -> int:
+    """Run a coordinator until its job ends (the ``unison launch``/``unison coordinator`` commands);
+    ``port`` 0: one the OS picks."""
     return Coordinator(settings, command, port).run()

@@ -14,9 +14,9 @@ processes as 2 nodes x 2), so hierarchical algorithms can be tested anywhere.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from . import health, member
+
+log = logging.getLogger("unison.runtime")
 
 DEFAULT_PORT = 29500
 
@@ -189,11 +191,34 @@ def collective_timeout() -> Optional[datetime.timedelta]:
     return _timeout
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, for a rendezvous on this machine."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serve_store(host: str = "127.0.0.1", timeout: Optional[datetime.timedelta] = None) -> dist.TCPStore:
+    """A TCPStore served by this process on a port the OS picks as it binds (``store.port``).
+
+    For a rendezvous on this machine: hand the store, or its port while the
+    store lives, to whoever needs it. A port found free, closed and bound again
+    later could be taken by anyone in between; this one is never let go.
+
+    Args:
+        host: the address to listen on.
+        timeout: how long a client's ``get``/``wait`` may block (default ``DEFAULT_TIMEOUT``).
+    """
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout or DEFAULT_TIMEOUT)
+
+
+def client_env(store: dist.TCPStore) -> dict[str, str]:
+    """The environment under which processes this one starts rendezvous through ``store``.
+
+    The processes are clients of the store as torchrun's workers are of its
+    agent's (``TORCHELASTIC_USE_AGENT_STORE``): ``unison.init`` and torch's
+    ``env://`` both read it, and no rank hosts a store of its own. Add the
+    ranks' own variables (``RANK``, ``WORLD_SIZE``, ...).
+    """
+    return {
+        "MASTER_ADDR": store.host,
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
 
 
 def _apply_simulated_nodes(
@@ -334,6 +359,17 @@ def init(
         if topo.uniform:
             _build_groups(topo)
         health.start(rank, world)
+    log.debug(
+        "rank %d of %d (launched by %s), local rank %d of %d on node %d of %d, backend %s",
+        rank,
+        world,
+        launcher,
+        local_rank,
+        local_world,
+        topo.node,
+        topo.num_nodes,
+        topo.backend,
+    )
     _topology = topo
     return topo
 

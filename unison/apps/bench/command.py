@@ -1,7 +1,9 @@
 """The ``unison bench`` command line: options, then network, contenders, report.
 
 ``add_parser(subparsers)`` declares the subcommand (``unison.cli`` registers
-it); ``run(args)`` carries it out and returns the exit code.
+it); ``run(args)`` carries it out and returns the exit code. rich draws the
+output, imported only when a bench runs (the ``bench`` extra installs it):
+declaring the subcommand needs torch alone, as the rest of ``unison`` does.
 """
 
 from __future__ import annotations
@@ -11,13 +13,20 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
-
-from rich.console import Console
-from rich.markup import escape
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..argtypes import positive_float, positive_int
 from . import contenders, deps, netem, report, runner, workloads
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def escape(text: str) -> str:
+    """``text`` with rich's markup escaped (rich imported on first use)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def _checked(parse):
@@ -163,6 +172,11 @@ def config_from(args: argparse.Namespace) -> runner.BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Carry out ``unison bench`` (or --cleanup, --list); the exit code."""
+    if not deps.importable(deps.RICH.module):
+        print(f"unison bench: {deps.message(deps.RICH)}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
     console = Console(width=None if sys.stdout.isatty() else 120)
     if args.cleanup:
         removed = netem.cleanup_stale()

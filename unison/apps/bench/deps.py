@@ -2,7 +2,7 @@
 
 A bench trains for minutes before it plots; a missing matplotlib or
 scikit-learn must stop it at once, naming the extra to install, not after the
-training. A peer contender that is not installed (``ppe_ddp`` without
+training. rich, which draws its output, is checked before anything else. A peer contender that is not installed (``ppe_ddp`` without
 pytorch-pfn-extras) is not an error: it is reported as "not installed" and the
 others run, as the README says; ``skipped`` names it up front.
 """
@@ -30,6 +30,10 @@ class Need:
     package: str
     why: str  # "the plots need it"
     remedy: str = ""  # another way out than installing it
+
+
+#: What draws the bench's output: checked first, by ``command.run``.
+RICH = Need("rich", "rich", "the bench's output needs it")
 
 
 def needs(config: BenchConfig) -> list[Need]:

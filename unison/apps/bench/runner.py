@@ -11,6 +11,7 @@ on. Rank processes die with the bench (each asks for PR_SET_PDEATHSIG as it star
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -20,9 +21,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from ...runtime import free_port
+import torch.distributed as dist
+
+from ...runtime import client_env, serve_store
 from . import contenders, netem, workloads
 from .worker import WorkerConfig
+
+log = logging.getLogger("unison.bench")
 
 #: The default time cap, in time budgets: how long a contender still short of a known target may train.
 TIME_CAP_FACTOR = 10.0
@@ -116,11 +121,13 @@ class RankGroup:
 
 
 def launch(
-    cfg_path: str, world: int, per_node: int, net: Optional[netem.Network], log_prefix: str, port: int
+    cfg_path: str, world: int, per_node: int, net: Optional[netem.Network], log_prefix: str, rendezvous: dict[str, str]
 ) -> RankGroup:
-    """Start the ranks of one contender."""
+    """Start the ranks of one contender; ``rendezvous``: the variables that say where their store is
+    (``rendezvous_env``)."""
     procs, logs, files = [], [], []
-    base = {k: v for k, v in os.environ.items() if k not in ("UNISON_NODES", "GLOO_SOCKET_IFNAME")}
+    drop = ("UNISON_NODES", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+    base = {k: v for k, v in os.environ.items() if k not in drop}
     path = os.pathsep.join(p for p in (os.getcwd(), base.get("PYTHONPATH")) if p)
     for rank in range(world):
         node, local = divmod(rank, per_node)
@@ -130,8 +137,7 @@ def launch(
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(local),
             "LOCAL_WORLD_SIZE": str(per_node),
-            "MASTER_ADDR": net.address(0) if net else "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rendezvous,
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": path,
             "UNISON_BENCH_PARENT": str(os.getpid()),  # the worker asks for SIGKILL when this process dies
@@ -252,6 +258,17 @@ def worker_config(
     )
 
 
+def rendezvous_env(index: int, net: Optional[netem.Network], store: Optional[dist.TCPStore]) -> dict[str, str]:
+    """Where contender ``index``'s ranks find their store. On loopback: ``store``, served by this
+    process on the port it bound (``client_env``). On the emulated network rank 0 hosts it in node 0's
+    namespace, which this run created and nothing else listens in: a fixed port there is free (one
+    per contender, clear of the last one's closing connections)."""
+    if net is None:
+        assert store is not None
+        return client_env(store)
+    return {"MASTER_ADDR": net.address(0), "MASTER_PORT": str(29500 + index)}
+
+
 def run_contender(
     index: int,
     spec: contenders.Spec,
@@ -273,10 +290,15 @@ def run_contender(
             os.remove(stale)
     cfg_path = os.path.abspath(prefix + "-config.json")
     cfg.write(cfg_path)
-    port = 29500 + index if net else free_port()
+    world = config.nodes * config.procs_per_node
+    store = None if net else serve_store()  # on loopback the ranks' store lives here, bound before they start
+    log.debug("contender %d (%s): %d ranks, log files %s-rank*.log", index, spec.text, world, prefix)
     start = time.perf_counter()
-    group = launch(cfg_path, config.nodes * config.procs_per_node, config.procs_per_node, net, prefix, port)
-    error = wait(group, contender_timeout(config, run), cfg.heartbeat_path)
+    try:
+        group = launch(cfg_path, world, config.procs_per_node, net, prefix, rendezvous_env(index, net, store))
+        error = wait(group, contender_timeout(config, run), cfg.heartbeat_path)
+    finally:
+        del store  # the ranks have exited (wait kills any left)
     wall = time.perf_counter() - start
     if error is None and not os.path.exists(cfg.result_path):
         error = "rank 0 finished without writing its result"

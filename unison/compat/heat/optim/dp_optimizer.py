@@ -317,7 +317,13 @@ class DASO:
             self.module.add_scaler(scaler)
 
     def print0(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 of ``comm`` when ``verbose`` is set."""
+        """``print`` on rank 0 of ``comm`` when ``verbose`` is set.
+
+        HeAT's documented helper: a script calls it to print its own lines, and
+        ``verbose=True`` asks for the schedule on stdout, so it stays a print
+        (a log record would vanish where logging is not configured). unison's
+        own ``daso`` logs its schedule to the ``unison.daso`` logger instead.
+        """
         if self.verbose and self.comm.rank == 0:
             print(*args, **kwargs)
 
