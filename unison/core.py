@@ -5,15 +5,20 @@ how they run an algorithm.
 A ``Core`` builds the Replica, starts and stops the algorithm's Dispatcher,
 builds and removes the gradient engine (``GradReducer``), hooks the optimizers'
 steps, keeps the algorithm's state in a state dict, and counts the traffic of
-algorithms that have left. Membership, the bucket-size check, the tags of
-private groups and the construction check's wording are here once too.
+algorithms that have left. It holds the fault-tolerance policy (``FaultPolicy``:
+``NoFaultTolerance`` unless ``unison.fault.FaultTolerance`` is given) and is the
+one place where a peer's failure in a wrapper's call becomes a ``RankFailure``
+(``entry``). Membership, the bucket-size check, the tags of private groups and
+the construction check's wording are here once too.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,7 @@ from .engine.reducer import GradReducer
 from .events import Dispatcher
 from .hooks import Hooks, StepClock, StepFn
 from .replica import Replica
+from .runtime import health
 
 #: The key under which a wrapper's ``state_dict()`` keeps the algorithm's state.
 ALGORITHM_KEY = "_unison_algorithm"
@@ -34,6 +40,10 @@ ALGORITHM_KEY = "_unison_algorithm"
 # Numbers the wrappers in creation order (the same on every rank): their tags
 # name their private process groups, found again after an algorithm switch.
 _serials = itertools.count()
+
+T = TypeVar("T")
+
+logger = logging.getLogger("unison")
 
 
 def new_tag(kind: str) -> str:
@@ -80,6 +90,58 @@ def describe_entry(entry: tuple[Any, ...]) -> str:
 def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: Optional[dist.ProcessGroup]) -> None:
     """Raise on every rank, naming the ranks and the first entry that differ, unless all agree."""
     check_same_everywhere(what, entries, group, describe_entry)
+
+
+class FaultPolicy(Protocol):
+    """What a wrapper's Core asks of fault tolerance: ``NoFaultTolerance`` when it is off,
+    ``unison.fault.FaultTolerance`` (``DataParallel(fault_tolerant=True)``) when it is on.
+
+    ``kind`` names the round a failure interrupted: "grad" (a gradient round every replica
+    must share: done again) or "drop" (an averaging round, a forward: dropped).
+    """
+
+    @property
+    def active(self) -> bool:
+        """Whether failures are recovered from (the engine then keeps each pass's local gradients)."""
+        ...
+
+    def start(self) -> None:
+        """After construction: the first agreement (a joiner takes the members' state)."""
+
+    def check(self) -> None:
+        """Before a forward: raise if the job cannot go on."""
+
+    def recover(self, exc: BaseException, kind: str, local: Optional[dict[int, torch.Tensor]] = None) -> bool:
+        """Recover from ``exc``, raised in a round of ``kind``; False if it is no failure to recover from."""
+        ...
+
+    def committed(self) -> bool:
+        """A step of the first optimizer ended; False if a heal already applied it (skip its events)."""
+        ...
+
+    def at_boundary(self) -> None:
+        """Between two training steps (a membership change noticed there is taken up now)."""
+
+
+class NoFaultTolerance:
+    """Fault tolerance off: nothing is recovered from, every step is committed."""
+
+    active = False
+
+    def start(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def recover(self, exc: BaseException, kind: str, local: Optional[dict[int, torch.Tensor]] = None) -> bool:
+        return False
+
+    def committed(self) -> bool:
+        return True
+
+    def at_boundary(self) -> None:
+        pass
 
 
 class Core:
@@ -129,6 +191,30 @@ class Core:
         self._optimizer_hooks: list[RemovableHandle] = []
         # Engines left behind by a membership change: their work may still write into their buffers.
         self.abandoned: list[GradReducer] = []
+        self.fault: FaultPolicy = NoFaultTolerance()
+
+    # ---- the wrapper's calls ------------------------------------------------------------
+    @contextmanager
+    def entry(self, what: str) -> Iterator[None]:
+        """Around one of the wrapper's calls (``what`` names it: "forward", "average()", ...): a
+        collective that fails inside because of a peer raises ``RankFailure`` naming that peer
+        (``unison.runtime.health``); any other error passes unchanged."""
+        try:
+            yield
+        except Exception as exc:
+            failure = health.explain(exc, what)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def recovering(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run again after each failure fault tolerance recovers from (``average()``)."""
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not self.fault.recover(exc, "drop"):
+                    raise
 
     # ---- the algorithm ------------------------------------------------------------
     @property
@@ -141,7 +227,13 @@ class Core:
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""
         self.dispatcher = Dispatcher(self.algorithm, self.replica)
+        logger.debug("%s: algorithm %s on %d rank(s)", self.tag, self.algorithm.describe(), self.replica.world_size)
         return self.dispatcher
+
+    def flush(self) -> None:
+        """Finish the algorithm's pending communication and updates (nothing once the wrapper is closed)."""
+        if self.dispatcher is not None:
+            self.dispatcher.flush()
 
     def stop(self) -> None:
         """The algorithm leaves: it finishes its work, its hooks and the engine are removed."""
@@ -194,7 +286,8 @@ class Core:
 
     # ---- the gradient engine ----------------------------------------------------------
     def build_reducer(self, group: Optional[dist.ProcessGroup], **options: Any) -> GradReducer:
-        """The gradient engine over the trainable parameters (``options``: GradReducer's)."""
+        """The gradient engine over the trainable parameters (``options``: GradReducer's). Under
+        fault tolerance it keeps each pass's local gradients, to redo an interrupted round."""
         self.remove_reducer()
         trainable = self.replica.trainable
         self.reducer = GradReducer(
@@ -204,9 +297,13 @@ class Core:
             self.events,
             bucket_cap_bytes=int(self.bucket_cap_mb * MB),
             tag=self.tag,
+            recover=self._recover_gradients if self.fault.active else None,
             **options,
         )
         return self.reducer
+
+    def _recover_gradients(self, exc: BaseException, reducer: GradReducer) -> bool:
+        return self.fault.recover(exc, "grad", dict(reducer.local))
 
     def remove_reducer(self) -> None:
         """Remove the engine's hooks, keeping its traffic in the totals."""
@@ -241,9 +338,36 @@ class Core:
         """Before a registered optimizer's step: the algorithm's pre-step hooks."""
         self.hooks.run_before_step(optimizer)
 
+    def before_forward(self) -> None:
+        """Before the wrapper's forward: count it (the heartbeat carries the count), fault
+        tolerance's check, then ``before_forward`` (a failure recovered from drops its round)."""
+        health.advance()
+        self.fault.check()
+        try:
+            self.events.before_forward()
+        except Exception as exc:
+            if not self.fault.recover(exc, "drop"):
+                raise
+
     def after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         """After a registered optimizer's step: count it, fire ``after_step``, then the
-        algorithm's post-step hooks (not for a joined rank's shadow step)."""
+        algorithm's post-step hooks (not for a joined rank's shadow step).
+
+        Under fault tolerance a step a heal already applied fires nothing, a failure is
+        recovered from (its round dropped), and a membership change noticed after the last
+        optimizer's step is taken up there.
+        """
+        if optimizer is self.optimizers[0] and not self.fault.committed():
+            return  # a heal already applied this step
+        try:
+            self._after_step(optimizer, shadow)
+        except Exception as exc:
+            if not self.fault.recover(exc, "drop"):
+                raise
+        if optimizer is self.optimizers[-1]:
+            self.fault.at_boundary()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool) -> None:
         if not self.hooks.replaced(optimizer):
             self.clock.record(optimizer)  # a replaced step() counted itself when it was called
         try:

@@ -22,6 +22,7 @@ docs/fault-tolerance.md for the protocol, its guarantees and its limits.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 import zlib
@@ -31,11 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import algorithms as algos
 from .core import Core
 from .engine.comm import all_gather_objects, broadcast_object, broadcast_state
 from .engine.snapshot import seed_all, to_cpu
-from .runtime import forget_private_groups, health
+from .runtime import forget_private_groups, health, member
 from .runtime.member import Member, MembershipChanged
+
+logger = logging.getLogger("unison.ft")
 
 #: Algorithms that run with ``fault_tolerant=True`` (the others are refused at construction).
 SUPPORTED = (
@@ -93,6 +97,25 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
         )
 
 
+def joining_member(
+    fault_tolerant: bool, algorithm: Any, process_group: Optional[dist.ProcessGroup], optimizer: Any
+) -> Optional[Member]:
+    """This worker's Member when ``fault_tolerant`` is asked for and can be given (None when it is
+    not asked for); raises, before anything is built, when it cannot be."""
+    if not fault_tolerant:
+        return None
+    worker = member.active()
+    if worker is None:
+        raise RuntimeError(
+            "fault_tolerant=True needs the job started by `unison launch --fault-tolerant --nproc N script.py` "
+            "(or served by `unison coordinator`), and unison.init() called before the model is wrapped"
+        )
+    check_supported(algos.as_algorithm(algorithm), process_group)
+    if optimizer is None:
+        raise ValueError("fault_tolerant=True needs optimizer=: its steps are the ones committed and healed")
+    return worker
+
+
 #: Set in the coordinator's store once the job has a state (its first settle is done).
 STATE_KEY = "ft/state"
 
@@ -123,7 +146,8 @@ def is_failure(exc: BaseException) -> bool:
 
 
 class FaultTolerance:
-    """``model.ft``: the job's membership as this worker sees it, and the recovery.
+    """``model.ft``: the job's membership as this worker sees it, and the recovery; the wrapper's
+    Core holds it as its fault policy (``unison.core.FaultPolicy``).
 
     Attributes:
         step: committed training steps, the same on every member (healed into joiners).
@@ -139,6 +163,8 @@ class FaultTolerance:
             loss_fn(model(x), y).backward()
             opt.step()
     """
+
+    active = True
 
     def __init__(self, model: Guarded, member: Member) -> None:
         self._model = weakref.ref(model)
@@ -200,7 +226,9 @@ class FaultTolerance:
         self._member.check_membership()
 
     def note(self, kind: str, detail: str) -> None:
+        """Keep an event in ``events`` and log it (logger ``unison.ft``: failures as warnings)."""
         self.events.append(Event(time.time(), kind, detail))
+        logger.log(logging.WARNING if kind in ("failure", "lost") else logging.INFO, "%s: %s", kind, detail)
 
     # ---- steps ----------------------------------------------------------------------------
     def committed(self) -> bool:

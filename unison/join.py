@@ -14,14 +14,19 @@ semantics). Gradient averages keep dividing by the full world size unless
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .core import Core
 from .engine.comm import AsyncBroadcast
 from .runtime import private_group
+
+logger = logging.getLogger("unison")
 
 # Event codes: a forward is 1 + grad + 2*sync (1..4); optimizer i's step is STEP + i.
 STEP = 8
@@ -37,10 +42,21 @@ class JoinHook:
         tag: the wrapper's tag (names the join's private group).
     """
 
-    group: Optional[dist.ProcessGroup]
-    rank: int
-    world_size: int
-    tag: str
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        raise NotImplementedError
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def tag(self) -> str:
+        raise NotImplementedError
 
     def attach(self, join: Optional["Join"]) -> None:
         """Route the wrapper's announcements to ``join`` (None: the join has ended)."""
@@ -69,6 +85,79 @@ class JoinHook:
     def tensors(self) -> list[torch.Tensor]:
         """The parameters and buffers every rank takes from the one that trained longest."""
         raise NotImplementedError
+
+
+class CoreJoinHook(JoinHook):
+    """``join()``'s view of a wrapper over a ``Core`` (``DataParallel.join_hook()``): the events a
+    joined rank shadows, and the end. ``active`` is the join running now (None outside one): the
+    wrapper announces its forwards and steps to it.
+
+    Args:
+        core: the wrapper's Core (its replica gives the group, rank and world size, read live).
+        module: the wrapped module: its parameters and buffers are the ones taken at the end.
+        shadow_step: ``fn(optimizer)``: run the others' step of ``optimizer`` here, updating nothing.
+    """
+
+    def __init__(self, core: Core, module: nn.Module, shadow_step: Callable[[torch.optim.Optimizer], None]) -> None:
+        self.core = core
+        self.module = module
+        self.step = shadow_step
+        self.active: Optional[Join] = None
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self.core.replica.group
+
+    @property
+    def rank(self) -> int:
+        return self.core.replica.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.core.replica.world_size
+
+    @property
+    def tag(self) -> str:
+        return self.core.tag
+
+    def attach(self, join: Optional["Join"]) -> None:
+        if join is not None and self.active is not None:
+            raise RuntimeError("model.join() is already active; it cannot be nested")
+        self.active = join
+        if join is None:
+            self.set_divisor(None)
+
+    def shadow_step(self, index: int) -> None:
+        optimizers = self.core.optimizers
+        if index >= len(optimizers):
+            raise RuntimeError(
+                f"rank {self.rank}: another rank stepped optimizer {index}, this one has {len(optimizers)}"
+            )
+        self.step(optimizers[index])
+
+    def shadow_forward(self, grad: bool, sync: bool) -> None:
+        core = self.core
+        core.events.before_forward()
+        core.events.after_forward(None)
+        if grad and core.reducer is not None:
+            with torch.no_grad():
+                for _, p in core.replica.trainable:
+                    p.grad = None  # nothing to contribute: zeros go out, the average comes back
+            core.reducer.shadow_pass(sync)
+
+    def flush(self) -> None:
+        self.core.flush()
+
+    def quiesce(self) -> None:
+        self.core.events.average()  # async's thread stops after a common round, syncs in flight land
+
+    def set_divisor(self, active: Optional[int]) -> None:
+        reducer = self.core.reducer
+        if reducer is not None:
+            reducer.set_divisor(active)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.module.parameters()) + list(self.module.buffers())
 
 
 class Join:
@@ -130,6 +219,7 @@ class Join:
 
     # ---- the ranks that ran out ---------------------------------------
     def _shadow_until_all_done(self) -> None:
+        logger.debug("rank %d ran out of inputs: shadowing the others' steps", self.hook.rank)
         self.hook.flush()
         while True:
             active, total, _ = self._exchange(0, 0, 1)

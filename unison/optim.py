@@ -10,6 +10,7 @@ builds a ``Replica`` for the algorithm and fires its events through a ``Dispatch
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -21,6 +22,8 @@ from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, memb
 from .engine.comm import default_broadcast
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
+
+logger = logging.getLogger("unison")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -90,6 +93,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._core.add_optimizer(optimizer, self._core.before_step, self._core.after_step)
         self._core.start()
         self._build_reducer()
+        logger.info(
+            "DistributedOptimizer: %d parameter tensor(s), algorithm %s, %d rank(s), averaging every %d pass(es)",
+            len(named),
+            self.algorithm.describe(),
+            self.world_size,
+            steps,
+        )
 
     def close(self) -> None:
         """Stop averaging: remove the hooks on the parameters and the wrapped optimizer."""

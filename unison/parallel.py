@@ -1,18 +1,20 @@
 """``DataParallel``: the nn.Module users wrap; a drop-in for torch's DistributedDataParallel.
 
 It checks that every rank wraps the same model, broadcasts rank 0's parameters
-and buffers, owns every hook, builds the ``Replica`` the algorithm sees, and
-fires the events of a training step through one ``Dispatcher``
-(``unison.events``). The default algorithm, "allreduce", averages gradients in
-flat buckets overlapped with backward.
+and buffers, builds the ``Core`` that runs the algorithm (its Replica, its
+Dispatcher, the gradient engine, the fault-tolerance policy), and fires the
+events of a training step from its forward and its optimizers' steps. The
+default algorithm, "allreduce", averages gradients in flat buckets overlapped
+with backward. Join's hook is in ``unison.join``, the non-finite agreement in
+``unison.engine.nonfinite``, the debug check in ``unison.debug``, torch DDP's
+keywords in ``unison.ddp_keywords`` and fault tolerance in ``unison.fault``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
 import weakref
-import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -22,50 +24,22 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
+from . import ddp_keywords
 from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
+from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
 from .engine.comm import AsyncBroadcast, default_broadcast
 from .engine.reducer import GradReducer
-from .fault import FaultTolerance, check_supported
-from .join import STEP, Join, JoinHook, forward_code
-from .runtime import health, member, private_group
-
-# torch DDP arguments that have no meaning here: accepted, with a warning.
-_IGNORED_DDP_ARGS = (
-    "device_ids",
-    "output_device",
-    "dim",
-    "check_reduction",
-    "gradient_as_bucket_view",
-    "static_graph",
-    "init_sync",
-    "mixed_precision",
-    "device_mesh",
-    "skip_all_reduce_unused_params",
-)
+from .fault import FaultTolerance, joining_member
+from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
+from .runtime import health, private_group
 
 __all__ = ["ALGORITHM_KEY", "DataParallel"]
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
-
-def _fault_tolerant_member(
-    fault_tolerant: bool, algorithm: Any, process_group: Optional[dist.ProcessGroup], optimizer: Any
-) -> Optional[member.Member]:
-    """This worker's Member when ``fault_tolerant`` is asked for and can be given; raises otherwise."""
-    if not fault_tolerant:
-        return None
-    worker = member.active()
-    if worker is None:
-        raise RuntimeError(
-            "fault_tolerant=True needs the job started by `unison launch --fault-tolerant --nproc N script.py` "
-            "(or served by `unison coordinator`), and unison.init() called before the model is wrapped"
-        )
-    check_supported(algos.as_algorithm(algorithm), process_group)
-    if optimizer is None:
-        raise ValueError("fault_tolerant=True needs optimizer=: its steps are the ones committed and healed")
-    return worker
+logger = logging.getLogger("unison")
 
 
 class DataParallel(nn.Module):
@@ -136,15 +110,7 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
-        unknown = sorted(set(ddp_kwargs) - set(_IGNORED_DDP_ARGS))
-        if unknown:
-            raise TypeError(f"DataParallel got unexpected keyword argument(s) {', '.join(unknown)}")
-        ignored = sorted(k for k, v in ddp_kwargs.items() if v is not None)
-        if ignored:
-            warnings.warn(
-                f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here",
-                stacklevel=2,
-            )
+        ddp_keywords.check(ddp_kwargs, stacklevel=2)
         check_bucket_cap(bucket_cap_mb)
         if nonfinite not in nonfinite_.MODES:
             raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
@@ -153,7 +119,7 @@ class DataParallel(nn.Module):
         for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable as fn(tensors, group)")
-        worker = _fault_tolerant_member(fault_tolerant, algorithm, process_group, optimizer)
+        worker = joining_member(fault_tolerant, algorithm, process_group, optimizer)
 
         self.module = module
         self.broadcast_buffers = broadcast_buffers
@@ -164,7 +130,6 @@ class DataParallel(nn.Module):
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
-        self._join: Optional[Join] = None
         self._forwards = 0
         self._skipped_local = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
@@ -187,17 +152,25 @@ class DataParallel(nn.Module):
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
                 self.register_optimizer(opt)
-        self.ft: Optional[FaultTolerance] = None if worker is None else FaultTolerance(self, worker)
-        if self.process_group is not None and self.ft is None:
-            self._construct_collectives(named)
+        self._join_hook = CoreJoinHook(self._core, module, weak(self._shadow_step))
+        if worker is not None:
+            self._core.fault = FaultTolerance(self, worker)
+        if self.process_group is not None and not self._core.fault.active:
+            with self._core.entry("building DataParallel"):
+                self._construct_collectives(named)
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
         self._start_algorithm()
-        if self.ft is not None:
-            self.ft.start()  # a joiner takes the members' state; at the job's start, rank 0's
+        self._core.fault.start()  # fault tolerance: a joiner takes the members' state; at the job's start, rank 0's
+        logger.info(
+            "DataParallel: %d parameter tensor(s), algorithm %s, %d rank(s)%s",
+            len(named),
+            self.algorithm.describe(),
+            self.world_size,
+            ", fault tolerant" if worker is not None else "",
+        )
 
     # ---- construction helpers ----------------------------------------
-    @health.translated("building DataParallel")
     def _construct_collectives(self, named: list[tuple[str, nn.Parameter]]) -> None:
         health.start(dist.get_rank(), dist.get_world_size())  # if unison.init() did not (a group made by hand)
         self._check_ranks_agree(named)
@@ -242,16 +215,19 @@ class DataParallel(nn.Module):
             on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
             on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
             defers_completion=self.algorithm.defers_completion,
-            recover=weak(self._recover_gradients) if self.ft is not None else None,
         )
-
-    def _recover_gradients(self, exc: BaseException, reducer: GradReducer) -> bool:
-        return self.ft is not None and self.ft.recover(exc, "grad", dict(reducer.local))
 
     @property
     def core(self) -> Core:
         """The algorithm, its engine and hooks on this model (for fault tolerance and integrations)."""
         return self._core
+
+    @property
+    def ft(self) -> Optional[FaultTolerance]:
+        """With ``fault_tolerant=True``: the committed ``step``, the ``members``, the ``events``
+        (docs/fault-tolerance.md); None otherwise."""
+        fault = self._core.fault
+        return fault if isinstance(fault, FaultTolerance) else None
 
     def regrouped(self) -> None:
         """Fault tolerance built the world again over new members: run the algorithm on it,
@@ -262,7 +238,6 @@ class DataParallel(nn.Module):
         if entry is not None:
             self._core.load_algorithm_entry(entry, strict=False, what="model")
 
-    @health.translated("switch_to()")
     def switch_to(self, algorithm: Union[str, algos.Algorithm[Any]]) -> "DataParallel":
         """Change the algorithm mid-training, on every rank at the same step; returns the model.
 
@@ -275,14 +250,16 @@ class DataParallel(nn.Module):
             model = model.switch_to("local_sgd:period=8")
         """
         new = algos.as_algorithm(algorithm)
-        if self.process_group is not None:
-            check_ranks_agree(
-                "the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group
-            )
-        self.average()
-        self._core.stop()
-        self._core.algorithm = new
-        self._start_algorithm()
+        with self._core.entry("switch_to()"):
+            if self.process_group is not None:
+                check_ranks_agree(
+                    "the algorithms switched to", [("setting", "algorithm", new.describe())], self.process_group
+                )
+            self.average()
+            self._core.stop()
+            self._core.algorithm = new
+            self._start_algorithm()
+        logger.info("%s: switched to %s", self.serial, new.describe())
         return self
 
     def close(self) -> None:
@@ -337,50 +314,26 @@ class DataParallel(nn.Module):
                 self._broadcast_function(list(self.module.buffers()), self._core.reducer.group)
 
     # ---- the training step ---------------------------------------------
-    @health.translated("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._join is not None:
-            self._join.notify(forward_code(torch.is_grad_enabled(), self._require_sync))
-        elif self.debug and self.process_group is not None:
-            self._check_step_agrees()
-        self._forwards += 1
-        health.advance()
-        if self.ft is not None:
-            self.ft.check()
-        try:
-            self._core.events.before_forward()
-        except Exception as exc:
-            if self.ft is None or not self.ft.recover(exc, "drop"):
-                raise
-        events = self._core.events
-        reducer = self._core.reducer
-        if reducer is not None and torch.is_grad_enabled():
-            reducer.prepare(self._require_sync)
-            output = self.module(*args, **kwargs)
-            if self._require_sync:
-                reducer.watch(output)
-        else:
-            output = self.module(*args, **kwargs)
-        events.after_forward(output)
-        return output
-
-    def _check_step_agrees(self) -> None:
-        """Debug mode: every rank must be about to run the same step (cheap hash first)."""
-        r = self._core.reducer
-        entries = [
-            ("setting", "forward number", self._forwards),
-            ("setting", "gradients enabled", torch.is_grad_enabled()),
-            ("setting", "synchronized (not no_sync)", self._require_sync),
-            ("setting", "optimizer steps", self._core.clock.steps),
-            ("setting", "algorithm", self.algorithm.describe()),
-            ("setting", "world size", self.world_size),
-            ("setting", "bucket plan", [b.indices for b in r.buckets] if r is not None else None),
-        ]
-        digest = zlib.crc32(repr(entries).encode())
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._step_group)
-        if extremes[0].item() != -extremes[1].item():  # max differs from min
-            check_ranks_agree("the training steps (debug mode)", entries, self._step_group)
+        with self._core.entry("forward"):
+            join = self._join_hook.active
+            if join is not None:
+                join.notify(forward_code(torch.is_grad_enabled(), self._require_sync))
+            elif self.debug and self.process_group is not None:
+                check_step_agrees(self._core, self._forwards, self._require_sync, self._step_group)
+            self._forwards += 1
+            core = self._core
+            core.before_forward()
+            reducer = core.reducer
+            if reducer is not None and torch.is_grad_enabled():
+                reducer.prepare(self._require_sync)
+                output = self.module(*args, **kwargs)
+                if self._require_sync:
+                    reducer.watch(output)
+            else:
+                output = self.module(*args, **kwargs)
+            core.events.after_forward(output)
+            return output
 
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
@@ -406,7 +359,7 @@ class DataParallel(nn.Module):
 
     def join_hook(self) -> JoinHook:
         """What ``join()`` runs on this model: announces, shadow steps, the final agreement."""
-        return _JoinHook(self)
+        return self._join_hook
 
     @property
     def skipped_steps(self) -> int:
@@ -414,7 +367,6 @@ class DataParallel(nn.Module):
         reducer = self._core.reducer
         return self._skipped_local + (reducer.skipped_steps if reducer is not None else 0)
 
-    @health.translated("average()")
     def average(self) -> None:
         """Make every replica identical now: a collective, so every rank must call it.
 
@@ -427,12 +379,8 @@ class DataParallel(nn.Module):
         With ``fault_tolerant=True`` a membership change during it is recovered from and the
         average done again over the new members.
         """
-        while True:
-            try:
-                return self._average()
-            except Exception as exc:
-                if self.ft is None or not self.ft.recover(exc, "drop"):
-                    raise
+        with self._core.entry("average()"):
+            self._core.recovering(self._average)
 
     def _average(self) -> None:
         events = self._core.events
@@ -452,8 +400,7 @@ class DataParallel(nn.Module):
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
-        if self._core.dispatcher is not None:
-            self._core.dispatcher.flush()
+        self._core.flush()
 
     def train(self, mode: bool = True) -> "DataParallel":
         """Set training mode; leaving it (``eval()``) first flushes pending updates."""
@@ -476,61 +423,36 @@ class DataParallel(nn.Module):
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
         self._core.add_optimizer(optimizer, weak(self._before_step), weak(self._after_step))
 
-    @health.translated("optimizer.step()")
     def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
         """Before a registered optimizer's step: the algorithm's pre-step hooks, tell joined ranks,
         check gradients if asked."""
-        if not shadow:
-            self._core.before_step(optimizer)
-        if self.process_group is None or self._core.hooks.replaced(optimizer):
-            return  # nonblocking runs the real step layer by layer inside forward
-        if self._join is not None and not shadow:
-            self._join.notify(STEP + self.optimizers.index(optimizer))
-        if self.nonfinite is not None and optimizer is self.optimizers[0]:
-            r = self._core.reducer
-            covered = (
-                r is not None
-                and r.nonfinite_checked
-                and r.group is not None
-                and dist.get_world_size(r.group) == self.world_size
-            )
-            if not covered:
-                self._check_finite_at_step(shadow)
+        with self._core.entry("optimizer.step()"):
+            if not shadow:
+                self._core.before_step(optimizer)
+            if self.process_group is None or self._core.hooks.replaced(optimizer):
+                return  # nonblocking runs the real step layer by layer inside forward
+            join = self._join_hook.active
+            if join is not None and not shadow:
+                join.notify(STEP + self.optimizers.index(optimizer))
+            if optimizer is self.optimizers[0]:
+                self._agree_finite(shadow)
 
-    def _check_finite_at_step(self, shadow: bool) -> None:
-        """Gradients that were not averaged this step (model averaging): agree on the first bad one."""
+    def _agree_finite(self, shadow: bool) -> None:
+        """Gradients the engine did not screen this step (model averaging): agree on the first bad one."""
+        if self.nonfinite is None or nonfinite_.screened(self._core.reducer, self.world_size):
+            return
         trainable = self._core.replica.trainable
-        n = len(trainable)
-        bad = None
-        if not shadow:
-            for i, (_, p) in enumerate(trainable):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    bad = i
-                    break
-        code = torch.tensor([nonfinite_.encode(bad, self.rank, self.world_size, n)], dtype=torch.int64)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self._step_group)
-        if not code.item():
-            return
-        rank, index = nonfinite_.decode(int(code.item()), self.world_size, n)
-        if self.nonfinite == "raise":
-            raise nonfinite_.error(rank, trainable[index][0])
-        nonfinite_.drop_gradients(p for _, p in trainable)
-        self._skipped_local += 1
+        if nonfinite_.agree_at_step(trainable, self.nonfinite, self.rank, self.world_size, self._step_group, shadow):
+            self._skipped_local += 1
 
-    @health.translated("the algorithm's step")
     def _after_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
-        if self.ft is None:
+        with self._core.entry("the algorithm's step"):
             self._core.after_step(optimizer, shadow)
-            return
-        if optimizer is self.optimizers[0] and not self.ft.committed():
-            return  # a heal already applied this step
-        try:
-            self._core.after_step(optimizer, shadow)
-        except Exception as exc:
-            if not self.ft.recover(exc, "drop"):
-                raise
-        if optimizer is self.optimizers[-1]:
-            self.ft.at_boundary()  # a join or leave noticed between rounds: regroup now
+
+    def _shadow_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A rank that ran out of inputs under ``join()`` takes part in the others' step, updating nothing."""
+        self._before_step(optimizer, shadow=True)
+        self._after_step(optimizer, shadow=True)
 
     def end_epoch(self, loss: Optional[float] = None, averaged: bool = False) -> None:
         """Tell the algorithm an epoch ended (schedules such as DASO's use the loss).
@@ -632,52 +554,3 @@ class DataParallel(nn.Module):
 
 
 _SWITCH_FIRST = "; call switch_to({saved}) first, or load with strict=False to keep only the weights"
-
-
-class _JoinHook(JoinHook):
-    """``join()``'s view of a DataParallel: the events a joined rank shadows, and the end."""
-
-    def __init__(self, model: DataParallel) -> None:
-        self.model = model
-        self.group = model.process_group
-        self.rank, self.world_size, self.tag = model.rank, model.world_size, model.serial
-
-    def attach(self, join: Optional[Join]) -> None:
-        if join is not None and self.model._join is not None:
-            raise RuntimeError("model.join() is already active; it cannot be nested")
-        self.model._join = join
-        if join is None:
-            self.set_divisor(None)
-
-    def shadow_step(self, index: int) -> None:
-        model = self.model
-        if index >= len(model.optimizers):
-            raise RuntimeError(
-                f"rank {model.rank}: another rank stepped optimizer {index}, this one has {len(model.optimizers)}"
-            )
-        model._before_step(model.optimizers[index], shadow=True)
-        model._after_step(model.optimizers[index], shadow=True)
-
-    def shadow_forward(self, grad: bool, sync: bool) -> None:
-        core = self.model._core
-        core.events.before_forward()
-        core.events.after_forward(None)
-        if grad and core.reducer is not None:
-            with torch.no_grad():
-                for _, p in core.replica.trainable:
-                    p.grad = None  # nothing to contribute: zeros go out, the average comes back
-            core.reducer.shadow_pass(sync)
-
-    def flush(self) -> None:
-        self.model.flush()
-
-    def quiesce(self) -> None:
-        self.model._core.events.average()  # async's thread stops after a common round, syncs in flight land
-
-    def set_divisor(self, active: Optional[int]) -> None:
-        reducer = self.model._core.reducer
-        if reducer is not None:
-            reducer.set_divisor(active)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.model.module.parameters()) + list(self.model.module.buffers())

@@ -3,15 +3,24 @@
 Every rank encodes its own first non-finite gradient as one integer; a MAX
 allreduce then picks the lowest rank that has one and, on that rank, the
 lowest parameter index, so every rank learns the same (rank, parameter).
+The gradient engine agrees inside backward (``GradReducer``); ``agree_at_step``
+does it at the optimizer step for gradients the engine did not average.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import logging
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .reducer import GradReducer
 
 MODES = (None, "raise", "skip")
+
+logger = logging.getLogger("unison")
 
 
 def encode(bad: Optional[int], rank: int, world: int, n: int) -> int:
@@ -36,3 +45,54 @@ def drop_gradients(params: Iterable[torch.Tensor]) -> None:
     """Skip the coming step: torch's optimizers leave parameters without a gradient untouched."""
     for p in params:
         p.grad = None
+
+
+def screened(reducer: Optional[GradReducer], world_size: int) -> bool:
+    """Whether the engine's last backward already agreed on non-finite gradients among all
+    ``world_size`` replicas (then the optimizer step needs no agreement of its own)."""
+    return (
+        reducer is not None
+        and reducer.nonfinite_checked
+        and reducer.group is not None
+        and dist.get_world_size(reducer.group) == world_size
+    )
+
+
+def first_nonfinite(params: Iterable[torch.Tensor]) -> Optional[int]:
+    """The index of the first parameter whose gradient holds nan or inf, or None."""
+    for i, p in enumerate(params):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return i
+    return None
+
+
+def agree_at_step(
+    trainable: Sequence[tuple[str, torch.Tensor]],
+    mode: str,
+    rank: int,
+    world_size: int,
+    group: Optional[dist.ProcessGroup],
+    shadow: bool = False,
+) -> bool:
+    """At an optimizer step, agree with every rank on the first non-finite gradient (one allreduce).
+
+    Under ``mode="raise"`` every rank raises ``error``; under ``"skip"`` every rank drops its
+    gradients and True is returned: the step is skipped. A ``shadow`` rank (one that ran out of
+    inputs under ``join()``) has no gradient of its own to report.
+    """
+    n = len(trainable)
+    bad = None if shadow else first_nonfinite(p for _, p in trainable)
+    code = torch.tensor([encode(bad, rank, world_size, n)], dtype=torch.int64)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    if not code.item():
+        return False
+    where, index = decode(int(code.item()), world_size, n)
+    if mode == "raise":
+        raise error(where, trainable[index][0])
+    drop_gradients(p for _, p in trainable)
+    logger.warning(
+        "optimizer step skipped on every rank: non-finite gradient on rank %d in parameter %r",
+        where,
+        trainable[index][0],
+    )
+    return True
