@@ -15,6 +15,7 @@ import ast
 import importlib
 from typing import Any, Union
 
+from ..compat.aliases import ALIASES  # a data table: the one import from above (see test_architecture)
 from .contract import Algorithm, State
 
 _BUILTIN: dict[str, str] = {
@@ -60,10 +61,13 @@ def create(name: str, **options: Any) -> Algorithm[Any]:
     """An algorithm instance by name, with its options validated.
 
     Options can also be written in the name, as on the command line:
-    ``create("gradient.powersgd:rank=2,start_iter=0")`` is ``create("powersgd", rank=2, start_iter=0)``.
+    ``create("powersgd:rank=2,start_iter=0")`` is ``create("powersgd", rank=2, start_iter=0)``;
+    the seeds' names for options work too (``unison.compat.aliases``:
+    ``create("local_sgd", communication_interval=4)``). Constructing the class
+    itself, ``PowerSGD(rank=2)``, lets mypy check the names.
     """
     name, written = parse(name)
-    return get(name)(**{**written, **options})
+    return get(name).from_options({**written, **options}, ALIASES.get(name, {}))
 
 
 def parse(text: str) -> tuple[str, dict[str, Any]]:

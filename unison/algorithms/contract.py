@@ -1,14 +1,18 @@
 """The Algorithm interface: configuration, plus reactions to the events of a training step.
 
-An algorithm object holds only its validated options (declared once with
-``unison.algorithms.options``); ``setup(replica)`` builds the per-model state,
-and every event receives the ``Replica`` and that state. The events, and the
-order in which ``unison.events.Dispatcher`` fires them, are listed in
-docs/architecture.md.
+An algorithm object holds only its options: an ``Algorithm`` subclass is a
+keyword-only dataclass whose fields are its options, checked in
+``__post_init__`` (with ``unison.algorithms.options``). ``setup(replica)``
+builds the per-model state, and every event receives the ``Replica`` and that
+state. The events, and the order in which ``unison.events.Dispatcher`` fires
+them, are listed in docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 import torch
@@ -17,35 +21,54 @@ import torch.distributed as dist
 from ..engine import comm
 from ..engine.buckets import Bucket
 from ..replica import Replica
-from .configured import Configured
+from . import options as checks
 from .state import State, ThreadedState
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # torch installs typing_extensions
+    from typing_extensions import dataclass_transform
 
 __all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
 
 
 S = TypeVar("S", bound=Optional[State])
+A = TypeVar("A", bound="Algorithm[Any]")
 
 
-class Algorithm(Configured, Generic[S]):
-    """Base class: subclasses set ``name``, declare options and override the events they need.
+@dataclass_transform(kw_only_default=True, eq_default=False, field_specifiers=(dataclasses.field,))
+class Algorithm(Generic[S]):
+    """Base class: subclasses set ``name``, declare their options as fields and override the events they need.
+
+    Every subclass is made a keyword-only dataclass (no decorator to write):
+    its annotated class attributes are its options, with their defaults, so
+    ``PowerSGD(rank=4)`` is checked by mypy; ``__post_init__`` refuses a bad
+    value with a ValueError saying what is allowed (its own options first,
+    then ``super().__post_init__()``, then checks across options). An inherited
+    option a subclass fixes is declared ``field(default=..., init=False)``.
 
     ``S`` is the type of the state ``setup`` builds (None for an algorithm that keeps none);
     every event receives the ``Replica`` and that state.
-
-    Args:
-        **options: the algorithm's options (see each algorithm's docstring);
-            an unknown one, or a value out of range, raises ValueError saying
-            what is allowed.
 
     Example::
 
         class Halve(Algorithm[None]):
             name = "halve"
-            factor = options.Number(0.5)
+            factor: float = 0.5
+
+            def __post_init__(self) -> None:
+                options.number("factor", self.factor)
+                super().__post_init__()
 
             def grad_scale(self, replica: Replica, state: None, world_size: int) -> float:
                 return self.factor / world_size
     """
+
+    name: ClassVar[str] = "base"
+    #: Every option with its default, in declaration order (the class's own first, then inherited ones).
+    defaults: ClassVar[dict[str, Any]] = {}
+    #: Every option's dataclass field, in the order of ``defaults``.
+    options_declared: ClassVar[dict[str, dataclasses.Field[Any]]] = {}
 
     #: Whether the wrapper runs the gradient buckets during backward.
     reduces_gradients: ClassVar[bool] = True
@@ -58,12 +81,47 @@ class Algorithm(Configured, Generic[S]):
     #: Whether the algorithm acts after optimizer steps, so it needs the optimizers.
     needs_optimizers: ClassVar[bool] = False
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.validate()
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # identity equality and the repr of describe(), as before options were fields
+        dataclasses.dataclass(kw_only=True, eq=False, repr=False)(cls)
+        cls.options_declared = _declared(cls)
+        cls.defaults = {name: f.default for name, f in cls.options_declared.items()}
 
-    def validate(self) -> None:
-        """Checks that involve several options; raise ValueError saying what is allowed."""
+    def __post_init__(self) -> None:
+        """Check the options: a subclass checks its own, then calls ``super().__post_init__()``,
+        then checks what involves several options; raise ValueError saying what is allowed."""
+        self._given_as: dict[str, str] = {}  # option -> the alias it was given by (set by from_options)
+
+    @classmethod
+    def from_options(cls: type[A], given: Mapping[str, Any], aliases: Mapping[str, Sequence[str]] = {}) -> A:
+        """An instance from options given by name or by one of their ``aliases`` (``create``'s way in).
+
+        Raises ValueError naming an unknown option (with the allowed ones), one
+        given twice under two names, or a value not allowed (named as given).
+        """
+        values, given_as = checks.resolve(cls.name, list(cls.options_declared), aliases, given)
+        try:
+            algorithm = cls(**values)
+        except checks.OptionError as error:
+            raise checks.as_given(error, given_as, aliases) from None
+        algorithm._given_as = given_as
+        return algorithm
+
+    @property
+    def option_values(self) -> dict[str, Any]:
+        """Every option's value as given, under its own name."""
+        return {name: getattr(self, name) for name in self.options_declared}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options, each under the name it was given by (its own name when not given)."""
+        given_as: dict[str, str] = getattr(self, "_given_as", {})  # {}: a __post_init__ without super()
+        return {given_as.get(name, name): value for name, value in self.option_values.items()}
+
+    def describe(self) -> str:
+        """A stable text naming the algorithm and its options, compared across ranks and saved in checkpoints."""
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in sorted(self.option_values.items()))})"
 
     def __repr__(self) -> str:
         return self.describe()
@@ -155,3 +213,11 @@ def open_thread(
     """A private process group and a CommThread for reductions of several dependent
     collectives (``(group, thread)``, for a ``ThreadedState``)."""
     return replica.private_group(name, group), comm.CommThread(f"unison-{name}")
+
+
+def _declared(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    """The options of an algorithm class (its ``__init__``'s fields): each class's own in
+    declaration order, the class's first, then its bases'."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    order = [name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {}) if name in fields]
+    return {name: fields[name] for name in dict.fromkeys(order)}

@@ -13,10 +13,10 @@ import torch
 
 from ..engine.comm import Finished, Waitable
 from ..replica import Replica
+from . import options
 from .contract import Algorithm
 from .hierarchical import two_level
 from .node_rounds import NodeRounds
-from .options import Bool, Int
 from .schedules import CountedState, StepCount
 
 
@@ -268,12 +268,16 @@ class Streamed(Algorithm[T]):
     ``close()`` forgets them (no waiting: the peers may be gone).
     """
 
-    period: int
-    fragments = Int(None, optional=True)
-    delay = Int(None, minimum=0, optional=True)
-    hierarchical = Bool(False)
+    period: int  # each algorithm declares and checks its own
+    fragments: Optional[int] = None
+    delay: Optional[int] = None
+    hierarchical: bool = False
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        options.integer("fragments", self.fragments, optional=True)
+        options.integer("delay", self.delay, minimum=0, optional=True)
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
         self.schedule()  # refuses fragments > period, delay >= period
 
     def schedule(self) -> Stagger:

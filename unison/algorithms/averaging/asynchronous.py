@@ -21,10 +21,10 @@ from ...engine.hierarchy import TwoLevel
 from ...engine.node_average import NodeAverage
 from ...replica import Replica
 from ...runtime import collective_timeout
+from .. import options
 from ..averaging_thread import AveragingThread, FlatRound
 from ..contract import Algorithm
 from ..hierarchical import two_level
-from ..options import Bool, Int, Number
 from ..schedules import CountedState, StepCount
 
 
@@ -163,9 +163,15 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     name = "async"
     replicas_drift = True
     needs_optimizers = True
-    sync_interval_ms = Number(50.0)
-    warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
-    hierarchical = Bool(False)
+    sync_interval_ms: float = 50.0
+    warmup_steps: int = 0
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        options.number("sync_interval_ms", self.sync_interval_ms)
+        options.integer("warmup_steps", self.warmup_steps, minimum=0, what="an integer of at least 0")
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
     @property
     def reduces_gradients(self) -> bool:  # type: ignore[override]  # the gradient engine runs for the warm-up only

@@ -13,7 +13,7 @@ import logging
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,9 @@ from ...engine.codecs import WIRE_DTYPES
 from ...engine.codecs import wire_dtype as to_wire_dtype
 from ...engine.comm import ring_bytes
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, State
 from ..hierarchical import check_uniform
-from ..options import Bool, Choice, Int, Number, Option
 
 log = logging.getLogger("unison.daso")
 
@@ -455,34 +455,49 @@ class DASO(Algorithm[DASOState]):
     name = "daso"
     replicas_drift = True
     needs_optimizers = True
-    total_epochs = Int(None, optional=True)
-    warmup_epochs = Int(4, minimum=0)
-    cooldown_epochs = Int(4, minimum=0)
-    scheduler = Option(None)
-    stability_level = Number(0.05, low=0.0, open_low=False, high=1.0)
-    max_global_skips = Int(8)
-    sending_chunk_size = Int(10_000_000)
-    wire_dtype = Choice(
-        "bf16", (*WIRE_DTYPES, *WIRE_DTYPES.values()), convert=to_wire_dtype, aliases=("downcast_type",)
-    )
-    use_mpi_groups = Bool(True)
-    skip_reduction_factor = Int(2, minimum=2)
-    local_skip_factor = Int(4)
-    verbose = Bool(False)
+    total_epochs: Optional[int] = None
+    warmup_epochs: int = 4
+    cooldown_epochs: int = 4
+    scheduler: Any = None
+    stability_level: float = 0.05
+    max_global_skips: int = 8
+    sending_chunk_size: int = 10_000_000
+    wire_dtype: Union[str, torch.dtype] = "bf16"
+    use_mpi_groups: bool = True
+    skip_reduction_factor: int = 2
+    local_skip_factor: int = 4
+    verbose: bool = False
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        options.integer("total_epochs", self.total_epochs, optional=True)
+        options.integer("warmup_epochs", self.warmup_epochs, minimum=0)
+        options.integer("cooldown_epochs", self.cooldown_epochs, minimum=0)
+        options.number("stability_level", self.stability_level, 0.0, open_low=False, high=1.0)
+        options.integer("max_global_skips", self.max_global_skips)
+        options.integer("sending_chunk_size", self.sending_chunk_size)
+        options.choice("wire_dtype", self.wire_dtype, (*WIRE_DTYPES, *WIRE_DTYPES.values()))
+        options.boolean("use_mpi_groups", self.use_mpi_groups)
+        options.integer("skip_reduction_factor", self.skip_reduction_factor, minimum=2)
+        options.integer("local_skip_factor", self.local_skip_factor)
+        options.boolean("verbose", self.verbose)
         if self.scheduler is not None:
             raise ValueError(
                 "scheduler must be None: unison's DASO does not step schedulers; call scheduler.step() "
                 "in your training loop as usual (optimizer.step() still drives DASO)"
             )
+        super().__post_init__()
+
+    @property
+    def wire(self) -> Optional[torch.dtype]:
+        """The dtype ``wire_dtype`` names, global syncs travel in (None: fp32, the parameters' own)."""
+        wire = to_wire_dtype(self.wire_dtype)
+        return None if wire == torch.float32 else wire
 
     def setup(self, replica: Replica) -> DASOState:
         super().setup(replica)
         if self.verbose:
             show_schedule_log()
-        wire = None if self.wire_dtype == torch.float32 else self.wire_dtype
-        transport = Transport.build(replica, wire, self.sending_chunk_size)
+        transport = Transport.build(replica, self.wire, self.sending_chunk_size)
         schedule = Schedule(
             self.warmup_epochs,
             self.cooldown_epochs,

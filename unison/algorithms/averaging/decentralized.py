@@ -20,7 +20,7 @@ See docs/algorithms.md#decentralized.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from ...engine.buckets import split
 from ...engine.comm import Waitable
 from ...engine.node_average import NodeAverage
 from ...replica import Replica
-from ..options import Choice, Int
+from .. import options
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -203,8 +203,13 @@ class Decentralized(Streamed[DecentralizedState]):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
-    peer_selection = Choice("all", PEER_SELECTIONS)
-    period = Int(16, aliases=("communication_interval",))
+    peer_selection: Literal["all", "shift_one", "ring"] = "all"
+    period: int = 16
+
+    def __post_init__(self) -> None:
+        options.choice("peer_selection", self.peer_selection, PEER_SELECTIONS)
+        options.integer("period", self.period)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> DecentralizedState:
         self.check_optimizers(replica)

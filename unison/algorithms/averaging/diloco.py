@@ -16,7 +16,7 @@ See docs/algorithms.md#diloco.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from ...engine.averaging import average_async
 from ...engine.codecs import WIRE_DTYPES
 from ...engine.comm import Finished, Waitable
 from ...replica import Replica
-from ..options import Bool, Choice, Int, Number
+from .. import options
 from ..schedules import StepCount
 from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
 
@@ -126,22 +126,33 @@ class DiLoCo(Streamed[DiLoCoState]):
     reduces_gradients = False
     needs_optimizers = True
     redoes_syncs = True  # an outer step is state every replica shares: redone after a membership change
-    period = Int(16, aliases=("inner_steps",))
-    outer_lr = Number(0.7)
-    outer_momentum = Number(0.5, low=0.0, open_low=False, high=1.0)
-    nesterov = Bool(True)
-    wire_dtype = Choice(
-        "fp32", (*WIRE_DTYPES, "int8"), convert=lambda v: WIRE_DTYPES.get(v, v) if v != "fp32" else None
-    )
-    mixing = Number(None, low=0.0, open_low=False, high=1.0, optional=True)
-    overlap = Bool(False)
+    period: int = 16
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
+    nesterov: bool = True
+    wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"
+    mixing: Optional[float] = None
+    overlap: bool = False
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        options.integer("period", self.period)
+        options.number("outer_lr", self.outer_lr)
+        options.number("outer_momentum", self.outer_momentum, 0.0, open_low=False, high=1.0)
+        options.boolean("nesterov", self.nesterov)
+        options.choice("wire_dtype", self.wire_dtype, (*WIRE_DTYPES, "int8"))
+        options.number("mixing", self.mixing, 0.0, open_low=False, high=1.0, optional=True)
+        options.boolean("overlap", self.overlap)
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0; set nesterov=False for plain outer SGD")
+        super().__post_init__()
         if self.overlap and self.delay not in (None, 1):
             raise ValueError(f"overlap=True means delay=1, but delay={self.delay} was given: give only delay")
-        super().validate()
+
+    @property
+    def wire(self) -> Union[torch.dtype, str, None]:
+        """What ``wire_dtype`` names, as the averaging takes it: a dtype, "int8", or None (fp32: the
+        parameters' own dtype)."""
+        return None if self.wire_dtype == "fp32" else WIRE_DTYPES.get(self.wire_dtype, self.wire_dtype)
 
     def schedule(self) -> Stagger:
         """Streamed's, where ``overlap`` means one fragment (unless given) and a delay of 1."""
@@ -190,8 +201,8 @@ class DiLoCo(Streamed[DiLoCoState]):
                     )
                 if state.nodes is not None:  # on a thread: the buffers are copied now
                     values = tensors[: len(params)] + [b.detach().clone() for b in buffers]
-                    return state.nodes.average(state, f, values, self.wire_dtype, feedback), at_launch
-                pending = average_async(tensors, state.group, self.wire_dtype, feedback)
+                    return state.nodes.average(state, f, values, self.wire, feedback), at_launch
+                pending = average_async(tensors, state.group, self.wire, feedback)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch
 

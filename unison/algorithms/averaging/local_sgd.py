@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...engine.averaging import AsyncAverage, average_
 from ...engine.comm import Waitable
 from ...replica import Replica
-from ..options import Bool, Int
+from .. import options
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -66,18 +66,22 @@ class LocalSGD(Streamed[LocalSGDState]):
     name = "local_sgd"
     replicas_drift = True
     needs_optimizers = True
-    period = Int(16, aliases=("communication_interval",))
-    warmup_steps = Int(0, minimum=0, what="an integer of at least 0")
-    hierarchical = Bool(False)
-    local_period = Int(2)
+    period: int = 16
+    warmup_steps: int = 0
+    hierarchical: bool = False
+    local_period: int = 2
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        options.integer("period", self.period)
+        options.integer("warmup_steps", self.warmup_steps, minimum=0, what="an integer of at least 0")
+        options.boolean("hierarchical", self.hierarchical)
+        options.integer("local_period", self.local_period)
         if self.hierarchical and self.local_period >= self.period:
             raise ValueError(
                 f"local_period ({self.local_period}) must be smaller than period ({self.period}): "
                 "nodes average inside more often than across"
             )
-        super().validate()
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> LocalSGDState:
         self.check_optimizers(replica)

@@ -24,8 +24,8 @@ from ...engine.codecs import MinMax8
 from ...engine.comm import Waitable
 from ...engine.node_average import NodeAverage, Shards
 from ...replica import Replica
+from .. import options
 from ..node_rounds import NodeRounds
-from ..options import Int
 from ..schedules import StepCount
 from ..state import State
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
@@ -224,7 +224,11 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     replicas_drift = True
     needs_optimizers = True
     loads_everywhere = True  # a load makes the next round resend in full: under a heal, every member loads
-    period = Int(16, aliases=("communication_interval",))
+    period: int = 16
+
+    def __post_init__(self) -> None:
+        options.integer("period", self.period)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> LowPrecisionState:
         self.check_optimizers(replica)

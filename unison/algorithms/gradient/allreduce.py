@@ -20,7 +20,7 @@ much faster it made a step than the model's ``bucket_cap_mb`` (see
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypeVar, cast
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,9 @@ from ...engine import comm
 from ...engine.buckets import Bucket
 from ...engine.comm import Waitable
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, State
 from ..hierarchical import Hierarchy, hierarchy
-from ..options import Bool
 from .bucket_tuner import BucketTuner
 
 
@@ -63,30 +63,25 @@ class AllReduceState(State):
 R = TypeVar("R", bound=AllReduceState)
 
 
-class AllReduce(Algorithm[R]):
-    """Gradients averaged in buckets, one allreduce each, overlapped with backward.
+class BucketAllReduce(Algorithm[R]):
+    """One allreduce per gradient bucket, overlapped with backward: what allreduce and
+    nonblocking share (they differ in when the average is applied, and in autotune).
 
     Args:
         hierarchical: reduce-scatter inside each node, allreduce each shard
             across nodes, all-gather inside the node.
-        autotune: time a few bucket sizes online and keep the fastest.
-
-    Example::
-
-        model = unison.DataParallel(net, algorithm=unison.algorithms.create("allreduce", hierarchical=True))
     """
 
-    name = "allreduce"
-    hierarchical = Bool(False)
-    autotune = Bool(False)
+    hierarchical: bool = False
 
-    def setup(self, replica: Replica) -> R:
-        return cast(R, self.base_state(replica))  # nonblocking builds its own state around this one
+    def __post_init__(self) -> None:
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
-    def base_state(self, replica: Replica) -> AllReduceState:
+    def base_state(self, replica: Replica, autotune: bool = False) -> AllReduceState:
         """The autotuner and the hierarchy, as the options ask."""
         self.check_optimizers(replica)
-        tuner = BucketTuner(replica.bucket_cap_mb) if self.autotune else None
+        tuner = BucketTuner(replica.bucket_cap_mb) if autotune else None
         return AllReduceState(tuner, hierarchy(replica, self.name) if self.hierarchical else None)
 
     def teardown(self, replica: Replica, state: R) -> None:
@@ -115,3 +110,27 @@ class AllReduce(Algorithm[R]):
             shard = h.shard_numel(bucket.flat.numel()) * bucket.flat.element_size()
             return h.wire_bytes(bucket.flat, comm.ring_bytes(shard, h.levels.nodes))
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
+
+
+class AllReduce(BucketAllReduce[AllReduceState]):
+    """Gradients averaged in buckets, one allreduce each, overlapped with backward.
+
+    Args:
+        hierarchical: reduce-scatter inside each node, allreduce each shard
+            across nodes, all-gather inside the node.
+        autotune: time a few bucket sizes online and keep the fastest.
+
+    Example::
+
+        model = unison.DataParallel(net, algorithm=unison.algorithms.create("allreduce", hierarchical=True))
+    """
+
+    name = "allreduce"
+    autotune: bool = False
+
+    def __post_init__(self) -> None:
+        options.boolean("autotune", self.autotune)
+        super().__post_init__()
+
+    def setup(self, replica: Replica) -> AllReduceState:
+        return self.base_state(replica, self.autotune)

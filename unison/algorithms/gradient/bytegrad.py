@@ -23,9 +23,9 @@ from ...engine.comm import CommThread, Waitable
 from ...engine.exchange import PART_VALUES, Exchange, wire_bytes_8bit
 from ...engine.flatstate import FlatState
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
 from ..hierarchical import Hierarchy, hierarchy
-from ..options import Bool, Int
 
 __all__ = [
     "PART_VALUES",
@@ -118,9 +118,15 @@ class ByteGrad(Algorithm[ByteGradState]):
     """
 
     name = "bytegrad"
-    chunk_size = Int(1024)
-    error_feedback = Bool(False)
-    hierarchical = Bool(False)
+    chunk_size: int = 1024
+    error_feedback: bool = False
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        options.integer("chunk_size", self.chunk_size)
+        options.boolean("error_feedback", self.error_feedback)
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> ByteGradState:
         h = hierarchy(replica, self.name) if self.hierarchical else None

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from ...engine.buckets import Bucket
 from ...engine.comm import Waitable, ring_bytes, start
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, State
 from ..hierarchical import Hierarchy, hierarchy
-from ..options import Bool
 
 
 class CastState(State):
@@ -54,7 +54,11 @@ class CastAllReduce(Algorithm[CastState]):
     """
 
     wire_dtype: ClassVar[torch.dtype]
-    hierarchical = Bool(False)
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> CastState:
         return CastState(hierarchy(replica, self.name) if self.hierarchical else None)

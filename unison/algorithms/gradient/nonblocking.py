@@ -17,7 +17,7 @@ import torch.utils._pytree
 from torch.optim import Optimizer
 
 from ...replica import Replica
-from .allreduce import AllReduce, AllReduceState
+from .allreduce import AllReduceState, BucketAllReduce
 
 
 class _Pending:
@@ -40,7 +40,7 @@ class NonBlockingState(AllReduceState):
         self.originals: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
-class NonBlocking(AllReduce[NonBlockingState]):
+class NonBlocking(BucketAllReduce[NonBlockingState]):
     """Gradient averaging whose updates land layer by layer at the next forward (HeAT's non-blocking mode).
 
     Example::
@@ -50,7 +50,6 @@ class NonBlocking(AllReduce[NonBlockingState]):
 
     name = "nonblocking"
     defers_completion = True
-    autotune = None  # not an option here
 
     def setup(self, replica: Replica) -> NonBlockingState:
         if not replica.optimizers:

@@ -21,9 +21,9 @@ from ...engine.comm import Waitable
 from ...engine.flatstate import FlatState
 from ...engine.hierarchy import aligned_bounds
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
 from ..hierarchical import Hierarchy, hierarchy
-from ..options import Bool, Int, Number
 
 
 def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
@@ -118,11 +118,19 @@ class PowerSGD(Algorithm[PowerSGDState]):
     """
 
     name = "powersgd"
-    rank = Int(4)
-    start_iter = Int(10, minimum=0)
-    min_compression_rate = Number(2.0, low=1.0, open_low=False)
-    warm_start = Bool(True)
-    hierarchical = Bool(False)
+    rank: int = 4
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    warm_start: bool = True
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        options.integer("rank", self.rank)
+        options.integer("start_iter", self.start_iter, minimum=0)
+        options.number("min_compression_rate", self.min_compression_rate, low=1.0, open_low=False)
+        options.boolean("warm_start", self.warm_start)
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> PowerSGDState:
         h = hierarchy(replica, self.name) if self.hierarchical else None

@@ -21,9 +21,9 @@ from ...engine.buckets import Bucket, split
 from ...engine.comm import CommThread, Waitable, ring_bytes, start
 from ...engine.flatstate import FlatState
 from ...replica import Replica
+from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
 from ..hierarchical import Hierarchy, hierarchy
-from ..options import Bool
 from .bytegrad import bucket_exchange, exchange_cross, wire_bytes_8bit
 from .qadam_optimizer import QAdamOptimizer, beta1_like
 
@@ -74,7 +74,11 @@ class QAdam(Algorithm[QAdamState]):
     """
 
     name = "qadam"
-    hierarchical = Bool(False)
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        options.boolean("hierarchical", self.hierarchical)
+        super().__post_init__()
 
     def setup(self, replica: Replica) -> QAdamState:
         found = [opt for opt in replica.optimizers if isinstance(opt, QAdamOptimizer)]
