@@ -34,9 +34,18 @@ def _imports(text: str) -> set[tuple[str, Optional[str]]]:
     return out
 
 
+#: The library's logger names (``logging.getLogger("unison.ft")``): documented, but not importable.
+LOGGERS = {
+    name
+    for path in (ROOT / "unison").rglob("*.py")
+    for name in re.findall(r"getLogger\(\"(unison[\w.]*)\"\)", path.read_text())
+}
+
+
 def _mentions(text: str) -> set[tuple[str, Optional[str]]]:
-    """Dotted ``unison.x.y`` names written in the prose and code (not file paths)."""
-    return {(m, None) for m in re.findall(r"(?<![\w/.])unison(?:\.[A-Za-z_]\w*)+", text)}
+    """Dotted ``unison.x.y`` names written in the prose and code (not file paths, not logger names)."""
+    found = set(re.findall(r"(?<![\w/.])unison(?:\.[A-Za-z_]\w*)+", text))
+    return {(m, None) for m in found - LOGGERS}
 
 
 def _resolve(dotted: str, name: Optional[str]) -> Any:
