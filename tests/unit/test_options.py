@@ -173,3 +173,31 @@ def test_a_registered_algorithm_takes_its_options_by_name_and_in_text(monkeypatc
         create("test_scaled", factor=-1)
     with pytest.raises(ValueError, match="allowed options: factor$"):
         create("test_scaled", scale=2)
+
+
+def test_options_declared_the_earlier_way_still_work_with_a_deprecation_warning():
+    """``period = options.Int(16)`` (the API before typed fields) keeps its checks, aliases and validate()."""
+    from unison.algorithms import Algorithm
+    from unison.algorithms.options import Bool, Int
+
+    with pytest.warns(DeprecationWarning, match=r"period: int = \.\.\."):
+
+        class EarlierWay(Algorithm[None]):
+            name = "earlier_way"
+            period = Int(4, aliases=("interval",))
+            flag = Bool(False)
+
+            def validate(self) -> None:
+                if self.flag and self.period > 10:
+                    raise ValueError("flag needs a period of at most 10")
+
+    assert EarlierWay().describe() == "earlier_way(flag=False, period=4)"
+    assert EarlierWay.from_options({"interval": 7}).options == {"interval": 7, "flag": False}
+    with pytest.raises(ValueError, match="period must be a positive integer, got 0"):
+        EarlierWay(period=0)
+    with pytest.raises(ValueError, match="flag must be True or False, got 1"):
+        EarlierWay(flag=1)
+    with pytest.raises(ValueError, match="flag needs a period of at most 10"):
+        EarlierWay(flag=True, period=11)
+    with pytest.raises(ValueError, match=r"allowed options: period \(alias interval\), flag"):
+        EarlierWay.from_options({"nope": 1})

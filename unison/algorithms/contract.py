@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
@@ -81,8 +82,12 @@ class Algorithm(Generic[S]):
     #: Whether the algorithm acts after optimizer steps, so it needs the optimizers.
     needs_optimizers: ClassVar[bool] = False
 
+    #: Options declared the earlier way (``period = options.Int(16)``), with their checks.
+    legacy_options: ClassVar[dict[str, checks.Option]] = {}
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _fields_from_legacy_options(cls)
         # identity equality and the repr of describe(), as before options were fields
         dataclasses.dataclass(kw_only=True, eq=False, repr=False)(cls)
         cls.options_declared = _declared(cls)
@@ -92,6 +97,11 @@ class Algorithm(Generic[S]):
         """Check the options: a subclass checks its own, then calls ``super().__post_init__()``,
         then checks what involves several options; raise ValueError saying what is allowed."""
         self._given_as: dict[str, str] = {}  # option -> the alias it was given by (set by from_options)
+        for name, option in self.legacy_options.items():
+            option.check(name, getattr(self, name))
+        validate = getattr(self, "validate", None)  # the earlier hook for checks across options
+        if callable(validate):
+            validate()
 
     @classmethod
     def from_options(cls: type[A], given: Mapping[str, Any], aliases: Mapping[str, Sequence[str]] = {}) -> A:
@@ -100,6 +110,7 @@ class Algorithm(Generic[S]):
         Raises ValueError naming an unknown option (with the allowed ones), one
         given twice under two names, or a value not allowed (named as given).
         """
+        aliases = {**{n: o.aliases for n, o in cls.legacy_options.items() if o.aliases}, **aliases}
         values, given_as = checks.resolve(cls.name, list(cls.options_declared), aliases, given)
         try:
             algorithm = cls(**values)
@@ -221,3 +232,24 @@ def _declared(cls: type) -> dict[str, dataclasses.Field[Any]]:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     order = [name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {}) if name in fields]
     return {name: fields[name] for name in dict.fromkeys(order)}
+
+
+def _fields_from_legacy_options(cls: type) -> None:
+    """Turn options declared the earlier way (``period = options.Int(16)``) into dataclass fields
+    whose checks ``__post_init__`` runs, with a DeprecationWarning naming the typed form."""
+    own = {name: value for name, value in vars(cls).items() if isinstance(value, checks.Option)}
+    if not own:
+        return
+    warnings.warn(
+        f"{cls.__name__} declares its options as unison.algorithms.options.{type(next(iter(own.values()))).__name__}"
+        f"(...) attributes, the earlier way: declare them as typed fields ({next(iter(own))}: int = ...) and check "
+        "them in __post_init__ (docs/architecture.md#options)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    annotations = dict(vars(cls).get("__annotations__", {}))
+    for name, option in own.items():
+        annotations[name] = "Any"
+        setattr(cls, name, option.default)
+    cls.__annotations__ = annotations
+    cls.legacy_options = {**getattr(cls, "legacy_options", {}), **own}  # type: ignore[attr-defined]

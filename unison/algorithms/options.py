@@ -135,3 +135,68 @@ def as_given(error: OptionError, given_as: Mapping[str, str], aliases: Mapping[s
         return error
     note = f" ({' and '.join(names)} name the same option)"
     return OptionError(given_as.get(error.option, error.option), error.must, error.value, note)
+
+
+class Option:
+    """The earlier way to declare an option (``period = Int(16)`` as a class attribute), kept for
+    algorithms written against it: ``Algorithm`` turns each into a dataclass field checked by
+    ``check`` after ``__post_init__``, with a DeprecationWarning. New code declares typed fields.
+
+    Args:
+        default: the value when the option is not given.
+        aliases: other names ``create`` accepts for it.
+    """
+
+    def __init__(self, default: Any, aliases: Sequence[str] = ()) -> None:
+        self.default, self.aliases = default, tuple(aliases)
+
+    def check(self, option: str, value: Any) -> None:
+        """Refuse a value the option does not take (raise OptionError)."""
+
+
+class Int(Option):
+    """An integer of at least ``minimum`` (``integer``'s check); ``optional`` also takes None."""
+
+    def __init__(self, default: Any, minimum: int = 1, optional: bool = False, what: Optional[str] = None, **kw: Any):
+        super().__init__(default, **kw)
+        self.minimum, self.optional, self.what = minimum, optional, what
+
+    def check(self, option: str, value: Any) -> None:
+        integer(option, value, self.minimum, optional=self.optional, what=self.what)
+
+
+class Number(Option):
+    """A finite number in a range (``number``'s check)."""
+
+    def __init__(
+        self,
+        default: Any,
+        low: float = 0.0,
+        open_low: bool = True,
+        high: Optional[float] = None,
+        optional: bool = False,
+        **kw: Any,
+    ) -> None:
+        super().__init__(default, **kw)
+        self.low, self.open_low, self.high, self.optional = low, open_low, high, optional
+
+    def check(self, option: str, value: Any) -> None:
+        number(option, value, self.low, open_low=self.open_low, high=self.high, optional=self.optional)
+
+
+class Bool(Option):
+    """True or False (``boolean``'s check)."""
+
+    def check(self, option: str, value: Any) -> None:
+        boolean(option, value)
+
+
+class Choice(Option):
+    """One of a few values (``choice``'s check)."""
+
+    def __init__(self, default: Any, choices: Sequence[Any], **kw: Any) -> None:
+        super().__init__(default, **kw)
+        self.choices = tuple(choices)
+
+    def check(self, option: str, value: Any) -> None:
+        choice(option, value, self.choices)
