@@ -232,9 +232,7 @@ def bagua_hierarchical(member: str, native: str, **options) -> dict:
             flag = {"hierarchical_reduce": True} if how == "true" else {}
             model, _ = bagua_init(net, opt, DistributedAlgorithm[member], **flag)
             state = model.bagua_module.algorithm_state
-            hierarchical.append(
-                getattr(state, "hierarchy", None) is not None or getattr(state, "nodes", None) is not None
-            )
+            hierarchical.append(getattr(state, "levels", None) is not None)
         for s in range(3):
             step(model, opt, [(rank, *batch(s, rank))])
         nets.append(net)
@@ -367,7 +365,7 @@ def layouts() -> dict:
         warnings.simplefilter("always")
         model = unison.DataParallel(MLP(), algorithm=unison.algorithms.create("bytegrad", hierarchical=True))
     out["warnings"] = [str(w.message) for w in caught if "hierarchical" in str(w.message)]
-    out["flat"] = model.algorithm_state.hierarchy is None
+    out["flat"] = model.algorithm_state.levels is None
     model.switch_to("allreduce")
     unison.runtime.forget_topology()
     os.environ.update(LOCAL_WORLD_SIZE="3" if rank < 3 else "1", LOCAL_RANK=str(rank if rank < 3 else 0))

@@ -48,6 +48,11 @@ def step(entries, s):
         opt.step()
 
 
+def shard_nbytes(levels, flats) -> int:
+    """Bytes of this process's shards of ``flats``' buffers (one per dtype and device)."""
+    return sum(levels.shard_numel(p.flat.numel()) * p.flat.element_size() for p in flats.parts)
+
+
 def average_in(net, group):
     with torch.no_grad():
         for p in net.parameters():
@@ -81,8 +86,8 @@ def local_sgd_against_hand():
         out["node_spread"].append(spread_in(topo.intra_node_group, hier[0]))
         out["spread"].append(spread_across_ranks(hier[0]))
     state = hier[2].algorithm_state
-    shard = sum(k.shard_nbytes for a in state.nodes.averages for k in a.kinds)
-    out["inter_bytes"], out["expected_inter"] = state.nodes.inter_bytes, 2 * ring_bytes(shard, topo.num_nodes)
+    shard = sum(shard_nbytes(state.levels, flats) for flats in state.node_flats)
+    out["inter_bytes"], out["expected_inter"] = state.levels.inter_bytes, 2 * ring_bytes(shard, topo.num_nodes)
     out["model_bytes"] = sum(p.numel() * p.element_size() for p in base.parameters())
     return out
 
@@ -204,7 +209,7 @@ def diloco_against_flat():
         spreads.append(spread_across_ranks(int8[0]))
     state = int8[2].algorithm_state
     out = {"gaps": gaps, "int8_spreads": spreads, "feedback": state.feedback[0].numel()}
-    out["shard"] = state.nodes.averages[0].feedback_numel
+    out["shard"] = state.levels.shards_numel(state.node_flats[0])
     out["round_trip"] = round_trip("diloco", hierarchical=True, **options)[0]
     out["round_trip_int8"] = round_trip("diloco", hierarchical=True, wire_dtype="int8", period=2, delay=1)[0]
     return out
@@ -234,9 +239,10 @@ def async_rounds():
         time.sleep(0.01)
     out = {"idle_spread": spread_across_ranks(net), "node_spread": spread_in(unison.topology().intra_node_group, net)}
     model.average()
-    node = thread.buffers.node
-    per_round = ring_bytes(sum(k.shard_nbytes for k in node.kinds), 2)
-    out.update(rounds=state.rounds, inter=node.inter_bytes, per_round=per_round, spread=spread_across_ranks(net))
+    per_round = ring_bytes(shard_nbytes(state.levels, thread.buffers.node), 2)
+    out.update(
+        rounds=state.rounds, inter=state.levels.inter_bytes, per_round=per_round, spread=spread_across_ranks(net)
+    )
     return out
 
 
@@ -297,7 +303,7 @@ def one_process_per_node():
         step([hier, flat], s)
     return {
         "warned": [str(w.message) for w in caught if "one process per node" in str(w.message)],
-        "flat": hier[2].algorithm_state.nodes is None,
+        "flat": hier[2].algorithm_state.levels is None,
         "gap": max_diff(hier[0], flat[0]),
     }
 

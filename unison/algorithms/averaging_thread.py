@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from ..engine import comm
 from ..engine.averaging import CHUNK_BYTES
+from ..engine.flat import Flats
+from ..engine.hierarchy import TwoLevel
 
 #: Longest pause between two checks of an average in flight.
 POLL_MAX_S = 0.002
@@ -37,12 +39,15 @@ EXIT_JOIN_S = 5.0
 class FlatRound:
     """The snapshot of ``params`` and its average over ``group``, in flat buffers
     allocated once (one pair per dtype and device), averaged in chunks of at most
-    ``chunk_bytes`` (views: nothing is copied for the wire).
+    ``chunk_bytes`` (views: nothing is copied for the wire). With ``levels`` the
+    average runs in two levels (the node's mean, shards across nodes, gathered):
+    ``launch`` then runs every leg, blocking (the averaging thread calls it).
+
+    ``wire_bytes`` is what a round sends (hierarchical: what the last one sent, both levels).
 
     Example::
 
         r = FlatRound(params, group)
-        params = r.ordered(params)
         r.snapshot(params)     # under the lock: one copy
         r.launch()             # the average of the snapshots, in flight
         ...; r.wait(); r.deltas()                  # average - snapshot, in place
@@ -50,34 +55,33 @@ class FlatRound:
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], chunk_bytes: int = CHUNK_BYTES
+        self,
+        params: Sequence[torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        chunk_bytes: int = CHUNK_BYTES,
+        levels: Optional[TwoLevel] = None,
     ) -> None:
         self.group, self.world, self.chunk_bytes = group, dist.get_world_size(group), chunk_bytes
-        kinds: dict = {}
-        for i, p in enumerate(params):
-            kinds.setdefault((p.dtype, p.device), []).append(i)
-        self.order = [i for idx in kinds.values() for i in idx]  # params, grouped by kind
-        self.snaps, self.wires, snap_views, wire_views = [], [], [], []
-        for (dtype, device), idx in kinds.items():
-            sizes, shapes = [params[i].numel() for i in idx], [params[i].shape for i in idx]
-            snap, wire = (torch.empty(sum(sizes), dtype=dtype, device=device) for _ in range(2))
-            self.snaps.append(snap)
-            self.wires.append(wire)
-            snap_views += [v.view(s) for v, s in zip(snap.split(sizes), shapes)]
-            wire_views += [v.view(s) for v, s in zip(wire.split(sizes), shapes)]
-        self.snap_views, self.delta_views = snap_views, wire_views  # in self.order
+        self.snap, self.wire = Flats(params), Flats(params)
+        self.snaps, self.wires = [f.flat for f in self.snap.parts], [f.flat for f in self.wire.parts]
+        self.snap_views, self.delta_views = self.snap.views, self.wire.views  # in the order of params
         self.wire_bytes = sum(comm.ring_bytes(w.numel() * w.element_size(), self.world) for w in self.wires)
         self.works: list = []
-
-    def ordered(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [params[i] for i in self.order]
+        self.levels = levels
+        self.node = levels.flats(self.snap_views) if levels is not None else None  # the two levels' buffers
 
     def snapshot(self, params: list[torch.Tensor]) -> None:
-        """Copy ``params`` (given in ``self.order``) into the snapshot."""
+        """Copy ``params`` into the snapshot."""
         torch._foreach_copy_(self.snap_views, params)
 
     def launch(self) -> "FlatRound":
-        """Start averaging the snapshots: each rank sends its snapshot / world, summed."""
+        """Start averaging the snapshots: each rank sends its snapshot / world, summed (hierarchical:
+        the two levels' average, done when this returns)."""
+        if self.levels is not None and self.node is not None:
+            before = self.levels.sent
+            torch._foreach_copy_(self.delta_views, self.levels.average(self.node, self.snap_views))
+            self.wire_bytes = self.levels.sent - before
+            return self
         self.works = []
         for snap, wire in zip(self.snaps, self.wires):
             torch.div(snap, self.world, out=wire)
@@ -156,8 +160,8 @@ class AveragingThread(threading.Thread):
         """Average the snapshots and add (average - own snapshot) to the parameters."""
         s = self.state
         if self.buffers is None:
-            self.buffers = s.new_round()  # a FlatRound (hierarchical: async_nodes.NodeRound)
-        buffers, params = self.buffers, self.buffers.ordered([p.data for p in s.params])  # .data: no version bump
+            self.buffers = s.new_round()
+        buffers, params = self.buffers, [p.data for p in s.params]  # .data: no version bump
         with s.lock:
             buffers.snapshot(params)
         pending = buffers.launch()

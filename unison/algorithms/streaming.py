@@ -7,16 +7,16 @@ its ``merge``; the schedule itself is ``streaming``'s.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 
-from ..engine.comm import Finished, Waitable
+from ..engine.comm import Finished, Pending, Waitable
+from ..engine.flat import Flats
+from ..engine.hierarchy import TwoLevel
 from ..replica import Replica
 from . import options
 from .contract import Algorithm
-from .hierarchical import two_level
-from .node_rounds import NodeRounds
 from .schedules import CountedState, StepCount
 
 
@@ -193,18 +193,38 @@ def _copy(value: Any) -> Any:
 
 class StreamedState(CountedState):
     """Base of a streamed algorithm's state: the step count and the syncs in flight
-    (``streams`` is None on a replica alone: nothing to sync)."""
+    (``streams`` is None on a replica alone: nothing to sync); hierarchical, the two levels
+    (their thread runs the rounds) and each fragment's buffers on them."""
 
-    __slots__ = ("streams", "nodes")
+    __slots__ = ("streams", "levels", "node_flats")
 
     def __init__(self, count: StepCount) -> None:
         super().__init__(count)
         self.streams: Optional[Streams] = None
-        self.nodes: Optional[NodeRounds] = None  # hierarchical: the node layout and its rounds' thread
+        self.levels: Optional[TwoLevel] = None  # hierarchical: the node layout and its rounds' thread
+        self.node_flats: list[Flats] = []  # hierarchical: per fragment, its tensors' buffers (equal shards)
 
     def close(self) -> None:
-        if self.nodes is not None:
-            self.nodes.close()
+        if self.levels is not None:
+            self.levels.close()
+
+    def average_nodes(
+        self,
+        fragment: int,
+        values: Sequence[torch.Tensor],
+        wire_dtype: Union[torch.dtype, str, None] = None,
+        feedback: Optional[torch.Tensor] = None,
+    ) -> Pending:
+        """Hierarchical: the average of ``values`` (laid out like the fragment) over every process, on
+        the levels' thread (its bytes added to ``bytes_sent``); ``wait()`` gives new tensors."""
+        levels, flats = self.levels, self.node_flats[fragment]
+        if levels is None:
+            raise RuntimeError("this state runs flat: it has no two levels")
+
+        def run() -> list[torch.Tensor]:
+            return [v.clone() for v in levels.average(flats, values, wire_dtype, feedback)]
+
+        return levels.submit(run, meter=self)
 
     @property
     def late(self) -> bool:
@@ -258,7 +278,7 @@ class Streamed(Algorithm[T]):
         fragments: how many fragments of the weights sync in turn across the
             period (default ``min(4, period)``).
         hierarchical: average inside each node first; syncs cross nodes from every local
-            rank with its shard (``node_rounds``).
+            rank with its shard (``engine.hierarchy.TwoLevel``).
         delay: steps a sync travels before it is merged, less than ``period``
             (default ``period // fragments // 2``; 0 blocks).
 
@@ -298,10 +318,15 @@ class Streamed(Algorithm[T]):
             redo=self.redoes_syncs,
         )
 
-    def node_rounds(self, replica: Replica, fragments: list[list[torch.Tensor]]) -> Optional[NodeRounds]:
-        """With ``hierarchical``, the node layout and the rounds' buffers for ``fragments`` (None: flat)."""
-        levels = two_level(replica, self.name, f"{self.name}/nodes") if self.hierarchical else None
-        return NodeRounds(levels, fragments, self.name) if levels is not None else None
+    def use_nodes(self, replica: Replica, state: T, fragments: list[list[torch.Tensor]]) -> None:
+        """With ``hierarchical``, the two levels and the buffers of ``fragments`` on them, into
+        ``state.levels`` and ``state.node_flats`` (left None and empty to run flat)."""
+        if not self.hierarchical:
+            return
+        topology, group, private = replica.topology, replica.group, replica.private_group
+        state.levels = TwoLevel.build(topology, group, private, self.name, f"{self.name}/nodes", thread=True)
+        if state.levels is not None:
+            state.node_flats = [state.levels.flats(f) for f in fragments]
 
     def launch(self, replica: Replica, state: T, fragment: int) -> tuple[Waitable, Any]:
         """Start ``fragment``'s sync: ``(pending, extra)`` for ``merge``."""

@@ -15,9 +15,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .buckets import MB, split
+from .buckets import MB
 from .codecs import MinMax8
 from .comm import all_gather_objects, chunks, flatten, ring_bytes, start, wait
+from .flat import split
 
 #: Default size of one coalesced collective.
 CHUNK_BYTES = 25 * MB

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from .flat import Flat, kind, split  # noqa: F401  (split: re-exported, the bucket layout's views)
+
 MB = 1024 * 1024
 
 
@@ -49,7 +51,7 @@ def plan(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, f
     result: list[list[int]] = []
     for i in order:
         p = params[i]
-        key = (p.dtype, p.device)
+        key = kind(p)
         current = open_buckets.setdefault(key, [])
         current.append(i)
         sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
@@ -71,23 +73,12 @@ def build(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: li
     """
     buckets = []
     for b, indices in enumerate(groups):
-        first = params[indices[0]]
-        total = sum(params[i].numel() for i in indices)
-        flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-        bucket = Bucket(b, list(indices), [names[i] for i in indices], [params[i] for i in indices], flat)
-        bucket.views = split(flat, bucket.params)
+        members = [params[i] for i in indices]
+        layout = Flat(members)
+        bucket = Bucket(b, list(indices), [names[i] for i in indices], members, layout.flat, layout.views)
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = view
         buckets.append(bucket)
     return buckets
-
-
-def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of consecutive slices of ``flat`` shaped like ``like`` (a bucket's layout)."""
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..runtime import member
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from .buckets import MB
+from .flat import by_kind
 
 # The most recent works stay referenced from Python. A work whose last reference
 # is dropped by gloo's worker thread needs the GIL to die; if that happens while
@@ -54,11 +55,9 @@ def ring_bytes(nbytes: int, world: int) -> int:
 
 def chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """Group tensors by dtype and device, then into chunks of at most ``cap_bytes``."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
     out: list[list[torch.Tensor]] = []
-    for group in by_kind.values():
+    for idx in by_kind(tensors):
+        group = [tensors[i] for i in idx]
         current: list[torch.Tensor] = []
         size = 0
         for t in group:

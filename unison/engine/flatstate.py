@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import Bucket, split
+from .buckets import Bucket
+from .flat import split
 
 
 class FlatState:

@@ -18,39 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ...engine.hierarchy import TwoLevel
-from ...engine.node_average import NodeAverage
 from ...replica import Replica
 from ...runtime import collective_timeout
 from .. import options
 from ..averaging_thread import AveragingThread, FlatRound
 from ..contract import Algorithm
-from ..hierarchical import two_level
 from ..schedules import CountedState, StepCount
-
-
-class NodeRound(FlatRound):
-    """``FlatRound``'s snapshot and average buffers, averaged in two levels over ``levels``.
-
-    ``launch`` runs the three legs (blocking: the averaging thread calls it, and each leg
-    waits for the one before); ``wire_bytes`` is what the last round sent, both legs.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], levels: TwoLevel) -> None:
-        super().__init__(params, levels.intra)
-        self.node = NodeAverage(self.snap_views, levels)
-
-    def launch(self) -> "NodeRound":
-        before = self.node.sent
-        torch._foreach_copy_(self.delta_views, self.node.run(self.snap_views))
-        self.wire_bytes = self.node.sent - before
-        return self
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -72,7 +45,7 @@ class AsyncState(CountedState):
         "may_run",
         "broken",
         "rounds",
-        "nodes",
+        "levels",
     )
 
     def __init__(
@@ -92,11 +65,11 @@ class AsyncState(CountedState):
         self.may_run = group is not None  # False once a peer stopped, until average()
         self.broken = False  # the thread failed: it never starts again
         self.rounds = 0
-        self.nodes: Optional[TwoLevel] = None  # hierarchical: the node layout of the rounds
+        self.levels: Optional[TwoLevel] = None  # hierarchical: the node layout of the rounds
 
     def new_round(self) -> FlatRound:
         """The buffers of the thread's rounds: flat, or averaged inside the node first."""
-        return FlatRound(self.params, self.group) if self.nodes is None else NodeRound(self.params, self.nodes)
+        return FlatRound(self.params, self.group, levels=self.levels)
 
     @property
     def running(self) -> bool:
@@ -153,7 +126,8 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     Args:
         sync_interval_ms: the pause between two averaging rounds, in milliseconds.
         warmup_steps: training steps of synchronous gradient averaging first.
-        hierarchical: each round averages inside the node first; shards cross nodes (``async_nodes``).
+        hierarchical: each round averages inside the node first; shards cross nodes
+            (``engine.hierarchy.TwoLevel``).
 
     Example::
 
@@ -184,7 +158,9 @@ class AsyncModelAverage(Algorithm[AsyncState]):
         params = [p for _, p in replica.trainable]
         group = replica.private_group("async") if replica.distributed and params else None
         state = AsyncState(params, group, self.sync_interval_ms / 1000.0, self.warmup_steps)
-        state.nodes = two_level(replica, self.name, "async/nodes") if self.hierarchical and group else None
+        if self.hierarchical and group is not None:
+            topology, private = replica.topology, replica.private_group
+            state.levels = TwoLevel.build(topology, replica.group, private, self.name, "async/nodes")
         if group is not None:
             replica.on_optimizer_step(before=lambda _o: state.hold(), after=lambda _o: state.let_go())
         return state

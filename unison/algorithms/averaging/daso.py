@@ -22,10 +22,11 @@ from ...engine import comm
 from ...engine.codecs import WIRE_DTYPES
 from ...engine.codecs import wire_dtype as to_wire_dtype
 from ...engine.comm import ring_bytes
+from ...engine.flat import Flats
+from ...engine.hierarchy import TwoLevel, check_layout
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, State
-from ..hierarchical import check_uniform
 
 log = logging.getLogger("unison.daso")
 
@@ -250,9 +251,8 @@ class Transport:
     Args:
         params: the weights global syncs carry (the trainable parameters).
         grad_group: the node's group for gradients (None: one process per node).
-        intra: the node's group for broadcasts (None: one process per node, or one node).
-        inter: this rank's inter-node group (None: one node).
-        local_rank, local_size, nodes: where this process sits.
+        levels: the node layout: its ``intra`` group for broadcasts (None: one process per node,
+            or one node), this rank's ``inter`` group (None: one node), where this process sits.
         wire: the dtype syncs travel in (None: the weights' own, whole).
         chunk_elems: elements per collective (slices of the flat buffer).
 
@@ -264,11 +264,7 @@ class Transport:
 
     params: list[torch.Tensor]
     grad_group: Optional[dist.ProcessGroup] = None
-    intra: Optional[dist.ProcessGroup] = None
-    inter: Optional[dist.ProcessGroup] = None
-    local_rank: int = 0
-    local_size: int = 1
-    nodes: int = 1
+    levels: TwoLevel = field(default_factory=lambda: TwoLevel(None, None, 0, 1, 1))
     wire: Optional[torch.dtype] = None
     chunk_elems: int = 10_000_000
     inflight: Any = field(default=None, init=False)  # this rank's sync in flight (something with wait())
@@ -277,23 +273,37 @@ class Transport:
     meter: State = field(default_factory=State, init=False)  # counts the bytes sent (DASO gives its state)
     buffers: dict[Optional[torch.dtype], Any] = field(default_factory=dict, init=False)  # Transport.flat's
 
+    @property
+    def intra(self) -> Optional[dist.ProcessGroup]:
+        return self.levels.intra
+
+    @property
+    def inter(self) -> Optional[dist.ProcessGroup]:
+        return self.levels.inter
+
+    @property
+    def local_rank(self) -> int:
+        return self.levels.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.levels.local_size
+
+    @property
+    def nodes(self) -> int:
+        return self.levels.nodes
+
     @classmethod
     def build(cls, replica: Replica, wire: Optional[torch.dtype], chunk_elems: int) -> "Transport":
-        """Private copies of the node's group (gradients, broadcasts) and of this rank's inter-node group."""
+        """A private copy of the node's group for gradients, and the two levels' groups (the node's
+        for broadcasts, this rank's inter-node group) as the layout has them."""
         params: list[torch.Tensor] = [p for _, p in replica.trainable]
         if replica.group is None:
             return cls(params, wire=wire, chunk_elems=chunk_elems)
         topo = replica.topology
-        if topo.world_size != dist.get_world_size():
-            raise ValueError("daso needs the node layout: call unison.init() before building DataParallel")
-        if replica.world_size != dist.get_world_size():
-            raise ValueError("daso runs on the whole world; it cannot be combined with a process_group subset")
-        check_uniform(replica, "daso")
-        local_size, nodes, node = topo.local_world_size, topo.num_nodes, topo.intra_node_group
-        grad = replica.private_group("daso/grad", node) if local_size > 1 else None
-        intra = replica.private_group("daso/intra", node) if local_size > 1 and nodes > 1 else None
-        inter = replica.private_group("daso/inter", topo.inter_node_group) if nodes > 1 else None
-        return cls(params, grad, intra, inter, topo.local_rank, local_size, nodes, wire, chunk_elems)
+        check_layout(topo, replica.group, "daso")
+        grad = replica.private_group("daso/grad", topo.intra_node_group) if topo.local_world_size > 1 else None
+        return cls(params, grad, TwoLevel.of(topo, replica.private_group, "daso"), wire, chunk_elems)
 
     # ---- one global sync --------------------------------------------------
     def flat(self, dtype: Optional[torch.dtype]) -> tuple[list, list, list]:
@@ -301,17 +311,15 @@ class Transport:
         dtype and device, in ``dtype`` (None: the weights' own); kept if it is the wire's."""
         if dtype in self.buffers:
             return self.buffers[dtype]
-        kind_of = [(p.dtype, p.device) for p in self.params]
-        kinds = {k: [i for i, ki in enumerate(kind_of) if ki == k] for k in dict.fromkeys(kind_of)}
-        flats: list[torch.Tensor] = []
-        views: list[Any] = [None] * len(self.params)
+        layout = Flats(self.params, dtype)
+        flats = [part.flat for part in layout.parts]
         scratches: list[Any] = [None] * len(self.params)
-        for (kind, device), idx in kinds.items():
-            sizes = [self.params[i].numel() for i in idx]
-            flats.append(torch.empty(sum(sizes), dtype=dtype or kind, device=device))
-            scratch = torch.empty(min(SLICE, sum(sizes)), dtype=kind, device=device)
-            for i, v in zip(idx, flats[-1].split(sizes)):
-                views[i], scratches[i] = v.view(self.params[i].shape), scratch
+        for part, idx in zip(layout.parts, layout.kinds):
+            first = part.like[0]
+            scratch = torch.empty(min(SLICE, part.numel), dtype=first.dtype, device=first.device)
+            for i in idx:
+                scratches[i] = scratch
+        views = layout.views
         if dtype == self.wire:
             self.buffers[dtype] = (flats, views, scratches)
         return flats, views, scratches

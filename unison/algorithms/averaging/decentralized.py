@@ -8,7 +8,7 @@ neighbours (``ring``). Buffers stay local until ``model.average()``.
 
 With ``hierarchical=True`` a round first averages each node inside, then each
 local rank mixes its shard of the node's mean with the same shard of the peer
-nodes (peers are nodes), and the node gathers the shards (``node_rounds``).
+nodes (peers are nodes), and the node gathers the shards (``engine.hierarchy.TwoLevel``).
 
 Rounds are streamed as local SGD's averages are (``streaming.Stagger``):
 ``fragments`` of the weights mix in turn across the period, each round's
@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from ...engine import comm
 from ...engine.averaging import AsyncAverage
-from ...engine.buckets import split
 from ...engine.comm import Waitable
-from ...engine.node_average import NodeAverage
+from ...engine.flat import Flat, by_kind, split
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
 from ..schedules import StepCount
@@ -63,25 +63,16 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
-class FlatParams:
+class FlatParams(Flat):
     """The trainable parameters of one dtype and device, copied to and from one reusable flat buffer."""
 
     def __init__(self, names: list[str], params: Sequence[torch.Tensor]) -> None:
-        self.names = names
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.flat = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
-        self._views = split(self.flat, params)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.flat.element_size()
+        super().__init__(params)
+        self.names, self.params = names, list(params)
 
     def gather(self) -> torch.Tensor:
         """The parameters' current values, copied into the flat buffer (which is returned)."""
-        with torch.no_grad():
-            torch._foreach_copy_(self._views, [p.detach() for p in self.params])
-        return self.flat
+        return self.load()
 
     def scatter(self, flat: torch.Tensor) -> None:
         """Copy ``flat`` (laid out like the buffer) into the parameters."""
@@ -93,7 +84,7 @@ class FlatParams:
         with torch.no_grad():
             torch._foreach_add_([p.detach() for p in self.params], split(flat, self.params))
 
-    def like(self) -> torch.Tensor:
+    def new_flat(self) -> torch.Tensor:
         """A new flat tensor shaped and typed like the buffer."""
         return torch.empty_like(self.flat)
 
@@ -117,13 +108,9 @@ class FlatParams:
 def flat_params_of(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[FlatParams]:
     """The trainable ones of ``(name, parameter)`` pairs (``replica.named_parameters``), grouped
     by dtype and device, in the order given."""
-    groups: dict[tuple[Any, ...], tuple[list[str], list[torch.Tensor]]] = {}
-    for name, p in named_parameters:
-        if p.requires_grad:
-            names, params = groups.setdefault((p.dtype, p.device), ([], []))
-            names.append(name)
-            params.append(p)
-    return [FlatParams(names, params) for names, params in groups.values()]
+    trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+    groups = by_kind([p for _, p in trainable])
+    return [FlatParams([trainable[i][0] for i in idx], [trainable[i][1] for i in idx]) for idx in groups]
 
 
 def exchange(
@@ -221,17 +208,18 @@ class Decentralized(Streamed[DecentralizedState]):
         state = DecentralizedState(
             count, replica.private_group("decentralized"), [[p for _, p in f] for f in fragments]
         )
-        state.nodes = self.node_rounds(replica, state.fragments)
-        if state.nodes is not None:
-            levels = state.nodes.levels
+        self.use_nodes(replica, state, state.fragments)
+        levels = state.levels
+        if levels is not None:
             if self.peer_selection == "shift_one" and levels.nodes % 2:
-                state.nodes.close()  # the state is never returned: nobody else would close it
+                levels.close()  # the state is never returned: nobody else would close it
                 raise ValueError(
                     f"hierarchical decentralized with peer_selection='shift_one' pairs the nodes, so it needs an even "
                     f"number of nodes, got {levels.nodes}; use peer_selection='ring' or 'all'"
                 )
             peers = len(self._peers(levels.node, levels.nodes, 0))
-            state.recv = [[[k.new_shard() for _ in range(peers)] for k in a.kinds] for a in state.nodes.averages]
+            by_peer = [[levels.new_shards(flats) for _ in range(peers)] for flats in state.node_flats]
+            state.recv = [[list(bufs) for bufs in zip(*shards)] for shards in by_peer]  # per kind, per peer
         elif (
             self.peer_selection == "shift_one" and world > 1 and world % 2
         ):  # flat (hierarchical too: one node, one per node)
@@ -242,7 +230,7 @@ class Decentralized(Streamed[DecentralizedState]):
         elif self.peer_selection != "all":
             peers = len(self._peers(replica.rank, replica.world_size, 0))
             state.flats = [flat_params_of(f) for f in fragments]
-            state.recv = [[[fl.like() for _ in range(peers)] for fl in flats] for flats in state.flats]
+            state.recv = [[[fl.new_flat() for _ in range(peers)] for fl in flats] for flats in state.flats]
         self.stream(replica, state, len(fragments))
         return state
 
@@ -255,13 +243,13 @@ class Decentralized(Streamed[DecentralizedState]):
     def launch(self, replica: Replica, state: DecentralizedState, fragment: int) -> tuple[Waitable, Any]:
         """Start ``fragment``'s round: an allreduce for "all", otherwise a point-to-point exchange."""
         f = fragment
-        if state.nodes is not None:  # the node's mean, shards mixed across nodes
+        levels = state.levels
+        if levels is not None:  # the node's mean, shards mixed across nodes
             with torch.no_grad():
                 values = [p.detach().clone() for p in state.fragments[f]]
             round_index = (state.count.steps - 1) // self.period
-            return state.nodes.submit(state, f, lambda avg: self._node_round(state, f, avg, values, round_index)), (
-                values if state.late else None
-            )
+            mixed = levels.submit(self._node_round, state, levels, f, values, round_index, meter=state)
+            return mixed, (values if state.late else None)
         if self.peer_selection == "all":
             with torch.no_grad():
                 at_launch = [p.detach().clone() for p in state.fragments[f]] if state.late else None
@@ -280,28 +268,28 @@ class Decentralized(Streamed[DecentralizedState]):
         ]
 
     def _node_round(
-        self, state: DecentralizedState, f: int, avg: NodeAverage, values: list[torch.Tensor], round_index: int
+        self, state: DecentralizedState, levels: TwoLevel, f: int, values: list[torch.Tensor], round_index: int
     ) -> list[torch.Tensor]:
-        """On the rounds' thread: the node's mean of ``values``, each shard mixed with the peer nodes'."""
-        levels = avg.levels
+        """On the levels' thread: the node's mean of ``values``, each shard mixed with the peer nodes'."""
+        flats = state.node_flats[f]
         if self.peer_selection == "all":
-            return [v.clone() for v in avg.run(values)]
+            return [v.clone() for v in levels.average(flats, values)]
         peers = self._peers(levels.node, levels.nodes, round_index)
-        pieces = avg.scatter(values)
+        pieces = levels.mean_shards(flats, values)
         sends = [(piece, peer, tag) for tag, piece in enumerate(pieces) for peer in peers]
         recvs = [(buf, peer, tag) for tag, bufs in enumerate(state.recv[f]) for buf, peer in zip(bufs, peers)]
         exchange(sends, recvs, levels.inter)
-        avg.inter_bytes += sum(piece.numel() * piece.element_size() for piece in pieces) * len(peers)
+        levels.inter_bytes += sum(piece.numel() * piece.element_size() for piece in pieces) * len(peers)
         for piece, bufs in zip(pieces, state.recv[f]):
             for buf in bufs:
                 piece.add_(buf)
             piece.div_(len(bufs) + 1)
-        return [v.clone() for v in avg.gather(pieces)]
+        return [v.clone() for v in levels.join_shards(flats, pieces)]
 
     def merge(self, replica: Replica, state: DecentralizedState, fragment: int, result: Any, extra: Any) -> None:
         """Write ``fragment``'s round into the weights (adding the change it makes when it lands late)."""
         f, at_launch = fragment, extra
-        if self.peer_selection == "all" or state.nodes is not None:
+        if self.peer_selection == "all" or state.levels is not None:
             write_average(state.fragments[f], result, at_launch)
             return
         with torch.no_grad():

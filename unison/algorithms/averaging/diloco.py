@@ -167,7 +167,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
         state = DiLoCoState(StepCount(self.period), fragments, buffers, outer, group)
         if group is not None:
-            state.nodes = self.node_rounds(replica, [sum(self._tensors(state, f), []) for f in range(len(fragments))])
+            self.use_nodes(replica, state, [sum(self._tensors(state, f), []) for f in range(len(fragments))])
         self.stream(replica, state, len(state.fragments))
         return state
 
@@ -191,17 +191,18 @@ class DiLoCo(Streamed[DiLoCoState]):
             if state.group is None:
                 pending = Finished([t.detach().clone() for t in tensors])
             else:
-                node = state.nodes.averages[f] if state.nodes is not None else None  # hierarchical: shards
-                numel = (node.feedback_numel if node else sum(t.numel() for t in tensors)) if self.int8 else 0
+                levels = state.levels  # hierarchical: the feedback of this rank's shards
+                whole = levels.shards_numel(state.node_flats[f]) if levels else sum(t.numel() for t in tensors)
+                numel = whole if self.int8 else 0
                 feedback = state.feedback.setdefault(f, torch.zeros(numel, device=tensors[0].device)) if numel else None
                 if feedback is not None and feedback.numel() != numel:
                     raise ValueError(
                         f"diloco's error feedback of fragment {f} has {feedback.numel()} values, this run needs "
                         f"{numel}: was the state saved with another node layout or hierarchical setting?"
                     )
-                if state.nodes is not None:  # on a thread: the buffers are copied now
+                if levels is not None:  # on a thread: the buffers are copied now
                     values = tensors[: len(params)] + [b.detach().clone() for b in buffers]
-                    return state.nodes.average(state, f, values, self.wire, feedback), at_launch
+                    return state.average_nodes(f, values, self.wire, feedback), at_launch
                 pending = average_async(tensors, state.group, self.wire, feedback)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch

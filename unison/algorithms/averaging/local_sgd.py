@@ -12,7 +12,7 @@ With ``hierarchical=True`` the processes of a node also average among
 themselves every ``local_period`` steps (cheap, over the node's fast link, and
 blocking), and across nodes only every ``period`` steps: the node averages
 inside, each local rank averages its shard with the other nodes', the node
-gathers the shards (``node_rounds``), so a node's link carries one copy per
+gathers the shards (``engine.hierarchy.TwoLevel``), so a node's link carries one copy per
 node. Parameters and
 floating-point buffers (BatchNorm statistics) are averaged; the optimizers'
 states stay local.
@@ -90,8 +90,8 @@ class LocalSGD(Streamed[LocalSGDState]):
         state = LocalSGDState(StepCount(self.period, self.warmup_steps), None, fragments)
         if replica.group is not None:
             state.group = replica.private_group("local_sgd")
-            state.nodes = self.node_rounds(replica, fragments)
-            if state.nodes is not None:  # the node's own averages, every local_period steps
+            self.use_nodes(replica, state, fragments)
+            if state.levels is not None:  # the node's own averages, every local_period steps
                 state.intra = replica.private_group("local_sgd/intra", replica.topology.intra_node_group)
             self.stream(replica, state, len(fragments))
         return state
@@ -111,9 +111,9 @@ class LocalSGD(Streamed[LocalSGDState]):
         tensors = state.fragments[fragment]
         with torch.no_grad():
             at_launch = [t.detach().clone() for t in tensors] if state.late else None
-        if state.nodes is not None:  # the node's mean, shards across nodes
+        if state.levels is not None:  # the node's mean, shards across nodes
             values = at_launch if at_launch is not None else [t.detach().clone() for t in tensors]
-            return state.nodes.average(state, fragment, values), at_launch
+            return state.average_nodes(fragment, values), at_launch
         pending = AsyncAverage(tensors, state.group)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch

@@ -9,7 +9,7 @@ as decentralized's are (``streaming.Stagger``: ``fragments`` in turn, each
 round's messages travelling for ``delay`` steps, the local steps taken
 meanwhile kept). With ``hierarchical=True`` the node averages inside first and the
 ring is one of nodes: each local rank gossips its shard of the node's mean, with
-its own copies (``low_precision_copies.NodeCopies``).
+its own copies (``NodeCopies``).
 See docs/algorithms.md#low_precision_decentralized.
 """
 
@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from ...engine.codecs import MinMax8
 from ...engine.comm import Waitable
-from ...engine.node_average import NodeAverage, Shards
+from ...engine.flat import Flat, Flats
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..node_rounds import NodeRounds
 from ..schedules import StepCount
 from ..state import State
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
@@ -67,51 +67,55 @@ class ShardCopies(Copies):
     """The copies of this local rank's shard of one kind of a fragment (the weights are equal on
     every replica when it is built, so the shard of the node's mean is the shard of the weights)."""
 
-    def __init__(self, shards: Shards, neighbours: list[int]) -> None:
-        start = shards.flat.view(-1)[shards.levels.local_rank * shards.size :][: shards.size]
-        with torch.no_grad():
-            torch._foreach_copy_(shards.views, [t.detach() for t in shards.like])
-        self.hold(start, neighbours)
+    def __init__(self, levels: TwoLevel, part: Flat, neighbours: list[int]) -> None:
+        start, end = levels.shard(levels.bounds(part.flat.numel()))
+        part.load()
+        self.hold(part.flat[start:end], neighbours)
 
 
 class NodeCopies:
-    """Hierarchical low_precision_decentralized: per fragment, the copies of each kind's shard."""
+    """Hierarchical low_precision_decentralized: per fragment, the copies of each kind's shard.
 
-    def __init__(self, rounds: NodeRounds) -> None:
-        levels = rounds.levels
-        self.rounds, self.neighbours = rounds, ring_neighbours(levels.node, levels.nodes)
+    Args:
+        levels: the two levels (their thread runs the rounds).
+        flats: per fragment, its parameters' buffers on them.
+    """
+
+    def __init__(self, levels: TwoLevel, flats: list[Flats]) -> None:
+        self.levels, self.flats, self.neighbours = levels, flats, ring_neighbours(levels.node, levels.nodes)
         self.layout = [levels.nodes, levels.local_size, levels.local_rank]
-        self.copies = [[ShardCopies(k, self.neighbours) for k in a.kinds] for a in rounds.averages]
+        self.copies = [[ShardCopies(levels, part, self.neighbours) for part in f.parts] for f in flats]
         self.refresh = False  # the next round first resends the public copies in full precision
 
     def launch(self, meter: State, f: int, values: list[torch.Tensor]) -> Any:
-        """Fragment ``f``'s round on the rounds' thread; ``wait()`` gives the mixed weights."""
-        return self.rounds.submit(meter, f, lambda avg: self._round(f, avg, values))
+        """Fragment ``f``'s round on the levels' thread; ``wait()`` gives the mixed weights."""
+        return self.levels.submit(self._round, f, values, meter=meter)
 
-    def _round(self, f: int, avg: NodeAverage, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _round(self, f: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        levels = self.levels
         if self.refresh:
-            self._refresh(avg)
+            self._refresh()
         sends, recvs, peers = [], [], self.neighbours
-        for tag, (c, piece) in enumerate(zip(self.copies[f], avg.scatter(values))):
+        for tag, (c, piece) in enumerate(zip(self.copies[f], levels.mean_shards(self.flats[f], values))):
             c.codec.encode(c.codec.load(piece, minus=c.public), c.send)
             sends += [(c.send, peer, tag) for peer in peers]
             recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
-            avg.inter_bytes += c.codec.nbytes * len(peers)
-        exchange(sends, recvs, avg.levels.inter)
+            levels.inter_bytes += c.codec.nbytes * len(peers)
+        exchange(sends, recvs, levels.inter)
         for c in self.copies[f]:
             c.public.add_(c.decoded(c.send))
             for copy, message in zip(c.replicas, c.received):
                 copy.add_(c.decoded(message))
-        return [v.clone() for v in avg.gather([c.mixed() for c in self.copies[f]])]
+        return [v.clone() for v in levels.join_shards(self.flats[f], [c.mixed() for c in self.copies[f]])]
 
-    def _refresh(self, avg: NodeAverage) -> None:
+    def _refresh(self) -> None:
         """Overwrite the replicas with the neighbour nodes' public copies, sent in full precision."""
         sends, recvs = [], []
         for tag, c in enumerate(c for fragment in self.copies for c in fragment):
             sends += [(c.public, peer, tag) for peer in self.neighbours]
             recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, self.neighbours)]
-            avg.inter_bytes += c.public.numel() * c.public.element_size() * len(self.neighbours)
-        exchange(sends, recvs, avg.levels.inter)
+            self.levels.inter_bytes += c.public.numel() * c.public.element_size() * len(self.neighbours)
+        exchange(sends, recvs, self.levels.inter)
         self.refresh = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,7 +143,7 @@ class NodeCopies:
 class LowPrecisionState(StreamedState):
     """The step count, the ring neighbours, each flat group's copies, and a pending refresh."""
 
-    __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments", "shards")
+    __slots__ = ("rank", "group", "neighbours", "copies", "refresh", "loaded", "fragments", "node_copies")
 
     def __init__(
         self,
@@ -156,17 +160,17 @@ class LowPrecisionState(StreamedState):
         self.refresh = False  # the next round first resends the public copies in full precision
         self.loaded: dict[str, Any] = {}  # a loaded state kept as it is (alone: nothing to restore into)
         self.fragments: list[list[int]] = []  # per fragment, the indices of its copies
-        self.shards: Optional[NodeCopies] = None  # hierarchical: the copies of this rank's shards
+        self.node_copies: Optional[NodeCopies] = None  # hierarchical: the copies of this rank's shards
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, public copy and replicas (by neighbour rank), per parameter name (hierarchical:
         the layout and this rank's shards' copies, under ``nodes``)."""
-        if not self.copies and self.shards is None:
+        if not self.copies and self.node_copies is None:
             return {"steps": self.count.steps, **self.loaded}
         in_flight = self.streams.state_dict() if self.streams else []  # first: hierarchical rounds update the copies
         out: dict[str, Any] = {"steps": self.count.steps, "rank": self.rank}
-        if self.shards is not None:
-            out["nodes"] = self.shards.state_dict()
+        if self.node_copies is not None:
+            out["nodes"] = self.node_copies.state_dict()
         else:
             public: dict[str, torch.Tensor] = {}
             replicas: dict[int, dict[str, torch.Tensor]] = {peer: {} for peer in self.neighbours}
@@ -186,15 +190,15 @@ class LowPrecisionState(StreamedState):
             )
         self.count.steps = int(state["steps"])
         loaded: dict[str, Any] = {k: state[k] for k in ("rank", "public", "replicas", "nodes") if k in state}
-        if not self.copies and self.shards is None:
+        if not self.copies and self.node_copies is None:
             self.loaded = loaded
             return
-        if ("nodes" in loaded and self.shards is None) or ("public" in loaded and self.shards is not None):
+        if ("nodes" in loaded and self.node_copies is None) or ("public" in loaded and self.node_copies is not None):
             raise ValueError("a hierarchical low_precision_decentralized state loads only into a hierarchical one")
         if self.streams:
             self.streams.load_state_dict(state.get("in_flight", []))
-        if self.shards is not None and "nodes" in loaded:
-            self.shards.load_state_dict(loaded["nodes"])
+        if self.node_copies is not None and "nodes" in loaded:
+            self.node_copies.load_state_dict(loaded["nodes"])
         if "public" not in loaded:
             return
         same_ring = loaded.get("rank") == self.rank and sorted(loaded.get("replicas", {})) == sorted(self.neighbours)
@@ -237,9 +241,9 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
             return LowPrecisionState(count, replica.rank)
         state = LowPrecisionState(count, replica.rank, replica.private_group(self.name))
         pieces = [[p for _, p in f] for f in fragments_of(replica.trainable, self.schedule().fragments)]
-        state.nodes = self.node_rounds(replica, pieces)
-        if state.nodes is not None:
-            state.shards = NodeCopies(state.nodes)
+        self.use_nodes(replica, state, pieces)
+        if state.levels is not None:
+            state.node_copies = NodeCopies(state.levels, state.node_flats)
             self.stream(replica, state, len(pieces))
             return state
         neighbours = ring_neighbours(replica.rank, replica.world_size)
@@ -256,10 +260,10 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     def launch(self, replica: Replica, state: LowPrecisionState, fragment: int) -> tuple[Waitable, Any]:
         """Send ``fragment``'s 8-bit differences and start receiving the neighbours'."""
         f = fragment
-        if state.shards is not None and state.nodes is not None:  # shards of the node's mean, across nodes
+        if state.node_copies is not None:  # shards of the node's mean, across nodes
             with torch.no_grad():
-                values = [p.detach().clone() for p in state.nodes.averages[f].tensors]
-            return state.shards.launch(state, f, values), values if state.late else None
+                values = [p.detach().clone() for p in state.node_flats[f].tensors]
+            return state.node_copies.launch(state, f, values), values if state.late else None
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
@@ -277,8 +281,8 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     def merge(self, replica: Replica, state: LowPrecisionState, fragment: int, result: Any, extra: Any) -> None:
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
         f, messages, at_launch = fragment, result, extra
-        if state.nodes is not None:  # the mixed weights, gathered in the node
-            write_average(state.nodes.averages[f].tensors, result, at_launch)
+        if state.levels is not None:  # the mixed weights, gathered in the node
+            write_average(state.node_flats[f].tensors, result, at_launch)
             return
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]

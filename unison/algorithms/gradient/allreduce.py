@@ -5,7 +5,7 @@ the allreduce's sum is the average (as torch DDP does).
 
 With ``hierarchical=True`` a bucket is reduce-scattered inside each node, each
 local rank allreduces its shard with the same local rank of the other nodes,
-and the shards are all-gathered inside the node (``unison.engine.hierarchy``):
+and the shards are all-gathered inside the node (``unison.engine.hierarchy.TwoLevel``):
 the slow inter-node link carries one copy per node instead of one per process,
 split over every process's link. Nodes come from ``unison.init()``
 (``UNISON_NODES`` simulates them).
@@ -28,21 +28,21 @@ import torch.distributed as dist
 from ...engine import comm
 from ...engine.buckets import Bucket
 from ...engine.comm import Waitable
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, State
-from ..hierarchical import Hierarchy, hierarchy
 from .bucket_tuner import BucketTuner
 
 
 class AllReduceState(State):
-    """The autotuner and the hierarchical reduction's groups, when asked for."""
+    """The autotuner and the two levels (``hierarchical=True``), when asked for."""
 
-    __slots__ = ("tuner", "hierarchy")
+    __slots__ = ("tuner", "levels")
 
-    def __init__(self, tuner: Optional[BucketTuner], hierarchy: Optional[Hierarchy]) -> None:
+    def __init__(self, tuner: Optional[BucketTuner], levels: Optional[TwoLevel]) -> None:
         super().__init__()
-        self.tuner, self.hierarchy = tuner, hierarchy
+        self.tuner, self.levels = tuner, levels
 
     @property
     def tuning(self) -> Optional[dict[str, Any]]:
@@ -79,15 +79,20 @@ class BucketAllReduce(Algorithm[R]):
         super().__post_init__()
 
     def base_state(self, replica: Replica, autotune: bool = False) -> AllReduceState:
-        """The autotuner and the hierarchy, as the options ask."""
+        """The autotuner and the two levels, as the options ask."""
         self.check_optimizers(replica)
         tuner = BucketTuner(replica.bucket_cap_mb) if autotune else None
-        return AllReduceState(tuner, hierarchy(replica, self.name) if self.hierarchical else None)
+        levels = (
+            TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
+            if self.hierarchical
+            else None
+        )
+        return AllReduceState(tuner, levels)
 
     def teardown(self, replica: Replica, state: R) -> None:
-        if state.hierarchy is not None:
-            state.hierarchy.close()
-            state.hierarchy = None
+        if state.levels is not None:
+            state.levels.close()
+            state.levels = None
 
     def before_forward(self, replica: Replica, state: R) -> None:
         if state.tuner is not None and torch.is_grad_enabled():
@@ -100,15 +105,16 @@ class BucketAllReduce(Algorithm[R]):
     def reduce_bucket(
         self, replica: Replica, state: R, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
-        if state.hierarchy is not None:
-            return state.hierarchy.submit(bucket.flat, state.hierarchy.allreduce)
+        h = state.levels
+        if h is not None:
+            return h.submit(h.run, bucket.flat, h.allreduce)
         return super().reduce_bucket(replica, state, bucket, group)
 
     def bucket_wire_bytes(self, replica: Replica, state: R, bucket: Bucket, world_size: int) -> int:
-        h = state.hierarchy
+        h = state.levels
         if h is not None:
             shard = h.shard_numel(bucket.flat.numel()) * bucket.flat.element_size()
-            return h.wire_bytes(bucket.flat, comm.ring_bytes(shard, h.levels.nodes))
+            return h.wire_bytes(bucket.flat, comm.ring_bytes(shard, h.nodes))
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
 
 

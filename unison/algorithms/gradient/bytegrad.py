@@ -6,7 +6,7 @@ part it owns, quantizes the sum again and all_gathers it, and every rank
 decodes the same gathered bytes, so all end with bit-identical gradients.
 A large bucket goes in parts of whole chunks, pipelined (``Exchange``). With
 ``hierarchical=True`` the node's processes sum in full precision and each
-carries its shard across nodes through the Exchange (``unison.engine.hierarchy``).
+carries its shard across nodes through the Exchange (``unison.engine.hierarchy.TwoLevel``).
 See docs/algorithms.md#bytegrad.
 """
 
@@ -22,10 +22,10 @@ from ...engine.buckets import Bucket
 from ...engine.comm import CommThread, Waitable
 from ...engine.exchange import PART_VALUES, Exchange, wire_bytes_8bit
 from ...engine.flatstate import FlatState
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
-from ..hierarchical import Hierarchy, hierarchy
 
 __all__ = [
     "PART_VALUES",
@@ -51,36 +51,36 @@ def bucket_exchange(
 
 
 def exchange_cross(
-    h: Hierarchy, ex: Exchange, residual: Optional[torch.Tensor], shard: torch.Tensor, offset: int
+    h: TwoLevel, ex: Exchange, residual: Optional[torch.Tensor], shard: torch.Tensor, offset: int
 ) -> torch.Tensor:
     """The cross-node step in 8 bits: the node's sum of a shard through ``ex`` over the nodes (with
     the shard's part of the bucket's ``residual``: error feedback where the compression happens)."""
     part = None if residual is None else residual[offset : offset + shard.numel()]
-    return ex.run(shard, h.levels.inter, part)
+    return ex.run(shard, h.inter, part)
 
 
 class ByteGradState(ThreadedState):
     """Error-feedback residuals (with ``error_feedback``), the buckets' Exchanges, group and thread."""
 
-    __slots__ = ("residuals", "exchanges", "hierarchy")
+    __slots__ = ("residuals", "exchanges", "levels")
 
     def __init__(
         self,
         residuals: Optional[FlatState],
         group: Optional[dist.ProcessGroup] = None,
         thread: Optional[CommThread] = None,
-        hierarchy: Optional[Hierarchy] = None,
+        levels: Optional[TwoLevel] = None,
     ) -> None:
         super().__init__(group, thread)
         self.residuals: Optional[FlatState] = residuals
         self.exchanges: dict[Any, Exchange] = {}
-        self.hierarchy = hierarchy
+        self.levels = levels
 
     def close(self) -> None:
         super().close()
-        if self.hierarchy is not None:
-            self.hierarchy.close()
-            self.hierarchy = None
+        if self.levels is not None:
+            self.levels.close()
+            self.levels = None
 
     def state_dict(self) -> dict[str, Any]:
         """The residuals by parameter name (nothing without error feedback)."""
@@ -129,8 +129,12 @@ class ByteGrad(Algorithm[ByteGradState]):
         super().__post_init__()
 
     def setup(self, replica: Replica) -> ByteGradState:
-        h = hierarchy(replica, self.name) if self.hierarchical else None
-        state = ByteGradState(FlatState() if self.error_feedback else None, hierarchy=h)
+        h = (
+            TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
+            if self.hierarchical
+            else None
+        )
+        state = ByteGradState(FlatState() if self.error_feedback else None, levels=h)
         if replica.distributed and h is None:
             state.group, state.thread = open_thread(replica, self.name)
         return state
@@ -146,18 +150,16 @@ class ByteGrad(Algorithm[ByteGradState]):
                 f"bytegrad reduces floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}"
             )
         residual = state.residuals.get(bucket) if state.residuals is not None else None
-        h = state.hierarchy
+        h = state.levels
         if h is not None:
-            ex = bucket_exchange(
-                state.exchanges, bucket, h.levels.nodes, self.chunk_size, h.shard_numel(bucket.flat.numel())
-            )
-            return h.submit(bucket.flat, partial(exchange_cross, h, ex, residual))
+            ex = bucket_exchange(state.exchanges, bucket, h.nodes, self.chunk_size, h.shard_numel(bucket.flat.numel()))
+            return h.submit(h.run, bucket.flat, partial(exchange_cross, h, ex, residual))
         ex = bucket_exchange(state.exchanges, bucket, world, self.chunk_size)
         return state.running_thread().submit(ex.run, bucket.flat, state.group, residual)
 
     def bucket_wire_bytes(self, replica: Replica, state: ByteGradState, bucket: Bucket, world_size: int) -> int:
-        h = state.hierarchy
+        h = state.levels
         if h is not None:
             shard = h.shard_numel(bucket.flat.numel())
-            return h.wire_bytes(bucket.flat, wire_bytes_8bit(shard, h.levels.nodes, self.chunk_size))
+            return h.wire_bytes(bucket.flat, wire_bytes_8bit(shard, h.nodes, self.chunk_size))
         return wire_bytes_8bit(bucket.flat.numel(), world_size, self.chunk_size)

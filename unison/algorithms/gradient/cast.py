@@ -5,7 +5,7 @@ overflow where the fp32 average would not) is cast to the wire dtype, summed
 with one allreduce, and cast back into the bucket. Works on gloo, where torch's
 own bf16 hook refuses to run. With ``hierarchical=True`` the node's processes
 sum in full precision and only each shard's crossing of nodes is cast
-(``unison.engine.hierarchy``).
+(``unison.engine.hierarchy.TwoLevel``).
 """
 
 from __future__ import annotations
@@ -18,26 +18,26 @@ import torch.distributed as dist
 
 from ...engine.buckets import Bucket
 from ...engine.comm import Waitable, ring_bytes, start
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, State
-from ..hierarchical import Hierarchy, hierarchy
 
 
 class CastState(State):
-    """One reusable wire buffer per bucket (no allocation per step), and the hierarchy when asked for."""
+    """One reusable wire buffer per bucket (no allocation per step), and the two levels when asked for."""
 
-    __slots__ = ("wire", "hierarchy")
+    __slots__ = ("wire", "levels")
 
-    def __init__(self, hierarchy: Optional[Hierarchy] = None) -> None:
+    def __init__(self, levels: Optional[TwoLevel] = None) -> None:
         super().__init__()
         self.wire: dict[int, torch.Tensor] = {}
-        self.hierarchy = hierarchy
+        self.levels = levels
 
     def close(self) -> None:
-        if self.hierarchy is not None:
-            self.hierarchy.close()
-            self.hierarchy = None
+        if self.levels is not None:
+            self.levels.close()
+            self.levels = None
 
 
 class CastAllReduce(Algorithm[CastState]):
@@ -61,7 +61,9 @@ class CastAllReduce(Algorithm[CastState]):
         super().__post_init__()
 
     def setup(self, replica: Replica) -> CastState:
-        return CastState(hierarchy(replica, self.name) if self.hierarchical else None)
+        if not self.hierarchical:
+            return CastState()
+        return CastState(TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True))
 
     def _wire_buffer(self, state: CastState, bucket: Bucket) -> torch.Tensor:
         buf = state.wire.get(bucket.index)
@@ -74,14 +76,14 @@ class CastAllReduce(Algorithm[CastState]):
     def reduce_bucket(
         self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
-        h = state.hierarchy
+        h = state.levels
         if h is not None:
             cross = (
                 h.allreduce
                 if bucket.flat.dtype == self.wire_dtype
                 else partial(_cast_cross, h, self._wire_buffer(state, bucket))
             )
-            return h.submit(bucket.flat, cross)
+            return h.submit(h.run, bucket.flat, cross)
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
         wire = self._wire_buffer(state, bucket)
@@ -92,13 +94,13 @@ class CastAllReduce(Algorithm[CastState]):
 
     def bucket_wire_bytes(self, replica: Replica, state: CastState, bucket: Bucket, world_size: int) -> int:
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
-        h = state.hierarchy
+        h = state.levels
         if h is not None:
-            return h.wire_bytes(bucket.flat, ring_bytes(h.shard_numel(bucket.flat.numel()) * itemsize, h.levels.nodes))
+            return h.wire_bytes(bucket.flat, ring_bytes(h.shard_numel(bucket.flat.numel()) * itemsize, h.nodes))
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 
 
-def _cast_cross(h: Hierarchy, wire: torch.Tensor, shard: torch.Tensor, offset: int) -> None:
+def _cast_cross(h: TwoLevel, wire: torch.Tensor, shard: torch.Tensor, offset: int) -> None:
     """The cross-node step in the wire dtype: the node's sum of the shard, cast, summed, cast back."""
     part = wire[offset : offset + shard.numel()]
     part.copy_(shard)

@@ -35,7 +35,7 @@ class NonBlockingState(AllReduceState):
     __slots__ = ("pending", "originals")
 
     def __init__(self, base: AllReduceState) -> None:
-        super().__init__(base.tuner, base.hierarchy)
+        super().__init__(base.tuner, base.levels)
         self.pending: dict[int, _Pending] = {}
         self.originals: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 

@@ -19,11 +19,10 @@ from ...engine.buckets import Bucket, split
 from ...engine.codecs import LowRank
 from ...engine.comm import Waitable
 from ...engine.flatstate import FlatState
-from ...engine.hierarchy import aligned_bounds
+from ...engine.hierarchy import TwoLevel, aligned_bounds
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
-from ..hierarchical import Hierarchy, hierarchy
 
 
 def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
@@ -71,7 +70,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 class PowerSGDState(ThreadedState):
     """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
-    __slots__ = ("passes", "residuals", "qs", "plans", "buffers", "hierarchy", "shards")
+    __slots__ = ("passes", "residuals", "qs", "plans", "buffers", "levels", "shards")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None) -> None:
         super().__init__(group, thread)
@@ -82,7 +81,7 @@ class PowerSGDState(ThreadedState):
         self.buffers: dict[tuple[str, ...], tuple[torch.Tensor, LowRank]] = {}  # first message, factors
         # hierarchical=True: the two levels (their thread is the state's, ``group`` the nodes' group), and
         # per bucket the offsets of its shards (whole parameters) and this process's parameters [lo, hi)
-        self.hierarchy: Optional[Hierarchy] = None
+        self.levels: Optional[TwoLevel] = None
         self.shards: dict[tuple[str, ...], tuple[list[int], int, int]] = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -133,11 +132,15 @@ class PowerSGD(Algorithm[PowerSGDState]):
         super().__post_init__()
 
     def setup(self, replica: Replica) -> PowerSGDState:
-        h = hierarchy(replica, self.name) if self.hierarchical else None
+        h = (
+            TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
+            if self.hierarchical
+            else None
+        )
         if h is None:
             return PowerSGDState(*(open_thread(replica, self.name) if replica.distributed else ()))
-        state = PowerSGDState(h.levels.inter, h.thread)
-        state.hierarchy = h
+        state = PowerSGDState(h.inter, h.thread)
+        state.levels, h.thread = h, None  # the levels' thread is the state's
         return state
 
     def compressing(self, state: PowerSGDState) -> bool:
@@ -147,33 +150,28 @@ class PowerSGD(Algorithm[PowerSGDState]):
     def reduce_bucket(
         self, replica: Replica, state: PowerSGDState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
-        h = state.hierarchy
+        h = state.levels
         if not self.compressing(state):
-            return (
-                comm.start(dist.all_reduce, bucket.flat, group=group)
-                if h is None
-                else h.submit(bucket.flat, h.allreduce)
-            )
+            if h is None:
+                return comm.start(dist.all_reduce, bucket.flat, group=group)
+            return state.running_thread().submit(h.run, bucket.flat, h.allreduce)
         if h is not None:
             bounds, lo, hi = self._shard(state, bucket, h)
-            return h.submit(bucket.flat, partial(self._shard_reduce, state, bucket, lo, hi, state.passes), bounds)
+            cross = partial(self._shard_reduce, state, bucket, lo, hi, state.passes)
+            return state.running_thread().submit(h.run, bucket.flat, cross, bounds)
         plan = self._plan(state, bucket.names, bucket.params)
         return state.running_thread().submit(self._compressed_reduce, state, bucket, plan, state.passes)
 
     def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
-        h, flat = state.hierarchy, bucket.flat
+        h, flat = state.levels, bucket.flat
         if not self.compressing(state):
             if h is None:
                 return super().bucket_wire_bytes(replica, state, bucket, world_size)
-            return h.wire_bytes(
-                flat, comm.ring_bytes(h.shard_numel(flat.numel()) * flat.element_size(), h.levels.nodes)
-            )
+            return h.wire_bytes(flat, comm.ring_bytes(h.shard_numel(flat.numel()) * flat.element_size(), h.nodes))
         bounds, lo, hi = (None, 0, len(bucket.params)) if h is None else self._shard(state, bucket, h)
         plan = self._plan(state, bucket.names[lo:hi], bucket.params[lo:hi])
         size = torch.empty(0, dtype=work_dtype(bucket.dtype)).element_size()
-        sent = comm.ring_bytes(
-            (plan.plain_numel + plan.p_numel + plan.q_numel) * size, h.levels.nodes if h else world_size
-        )
+        sent = comm.ring_bytes((plan.plain_numel + plan.p_numel + plan.q_numel) * size, h.nodes if h else world_size)
         return sent if h is None else h.wire_bytes(flat, sent, bounds)
 
     def after_backward(self, replica: Replica, state: PowerSGDState) -> None:
@@ -185,14 +183,14 @@ class PowerSGD(Algorithm[PowerSGDState]):
             state.plans[key] = plan_bucket(params, self.rank, self.min_compression_rate)
         return state.plans[key]
 
-    def _shard(self, state: PowerSGDState, bucket: Bucket, h: Hierarchy) -> tuple[list[int], int, int]:
+    def _shard(self, state: PowerSGDState, bucket: Bucket, h: TwoLevel) -> tuple[list[int], int, int]:
         """The bucket's shard offsets (between parameters, one run per local rank) and this process's parameters."""
         key = tuple(bucket.names)
         if key not in state.shards:
             sizes = [p.numel() for p in bucket.params]
-            bounds = aligned_bounds(sizes, h.levels.local_size)
+            bounds = aligned_bounds(sizes, h.local_size)
             ends = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            start, end = h.levels.shard(bounds)
+            start, end = h.shard(bounds)
             state.shards[key] = (bounds, ends.index(start), ends.index(end))
         return state.shards[key]
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from ...engine.buckets import Bucket, split
 from ...engine.comm import CommThread, Waitable, ring_bytes, start
 from ...engine.flatstate import FlatState
+from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, ThreadedState, open_thread
-from ..hierarchical import Hierarchy, hierarchy
 from .bytegrad import bucket_exchange, exchange_cross, wire_bytes_8bit
 from .qadam_optimizer import QAdamOptimizer, beta1_like
 
@@ -34,13 +34,13 @@ CHUNK_SIZE = 1024
 class QAdamState(ThreadedState):
     """The optimizer, the flat momenta (saved), the buckets' exchanges and denominators, group and thread."""
 
-    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "hierarchy")
+    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "levels")
 
     def __init__(
         self, optimizer: QAdamOptimizer, group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
     ) -> None:
         super().__init__(group, thread)
-        self.hierarchy: Optional[Hierarchy] = None  # with hierarchical=True (its thread is the state's)
+        self.levels: Optional[TwoLevel] = None  # with hierarchical=True (its thread is the state's)
         self.optimizer = optimizer
         self.momentum = FlatState()
         self.seeded: set[str] = set()  # parameters whose momentum started from the optimizer's exp_avg
@@ -95,10 +95,14 @@ class QAdam(Algorithm[QAdamState]):
                 f"parameter; it does not hold {missing[0]!r}"
                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             )
-        h = hierarchy(replica, self.name) if self.hierarchical else None
+        h = (
+            TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
+            if self.hierarchical
+            else None
+        )
         state = QAdamState(found[0], *(open_thread(replica, self.name) if replica.distributed and h is None else ()))
         if h is not None:
-            state.hierarchy, state.thread = h, h.thread  # closed with the state's thread
+            state.levels, state.thread, h.thread = h, h.thread, None  # the levels' thread is the state's
         return state
 
     def reduce_bucket(
@@ -106,9 +110,11 @@ class QAdam(Algorithm[QAdamState]):
     ) -> Optional[Waitable]:
         world, opt = dist.get_world_size(group), state.optimizer
         state.compressing = world > 1 and not opt.warming_up and bucket.flat.numel() > 0
-        h = state.hierarchy
+        h = state.levels
         if not state.compressing:
-            return start(dist.all_reduce, bucket.flat, group=group) if h is None else h.submit(bucket.flat, h.allreduce)
+            if h is None:
+                return start(dist.all_reduce, bucket.flat, group=group)
+            return state.running_thread().submit(h.run, bucket.flat, h.allreduce)
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
         momentum = state.momentum.get(bucket)
@@ -126,16 +132,14 @@ class QAdam(Algorithm[QAdamState]):
         if h is None:
             reduce = partial(bucket_exchange(state.exchanges, bucket, world, CHUNK_SIZE).run, group=state.group)
         else:
-            ex = bucket_exchange(
-                state.exchanges, bucket, h.levels.nodes, CHUNK_SIZE, h.shard_numel(bucket.flat.numel())
-            )
-            reduce = partial(h.levels.run, cross=partial(exchange_cross, h, ex, None))
+            ex = bucket_exchange(state.exchanges, bucket, h.nodes, CHUNK_SIZE, h.shard_numel(bucket.flat.numel()))
+            reduce = partial(h.run, cross=partial(exchange_cross, h, ex, None))
         return state.running_thread().submit(_average, reduce, bucket.flat, momentum, denom)
 
     def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
-        h, n = state.hierarchy, bucket.flat.numel()
+        h, n = state.levels, bucket.flat.numel()
         if h is not None:
-            shard, nodes = h.shard_numel(n), h.levels.nodes
+            shard, nodes = h.shard_numel(n), h.nodes
             full = ring_bytes(shard * bucket.flat.element_size(), nodes)  # the warm-up's
             return h.wire_bytes(bucket.flat, wire_bytes_8bit(shard, nodes, CHUNK_SIZE) if state.compressing else full)
         if state.compressing:
