@@ -117,7 +117,7 @@ class AveragingThread(threading.Thread):
         thread.join()
     """
 
-    def __init__(self, state: Any) -> None:  # an AsyncState (async_ imports this module)
+    def __init__(self, state: Any) -> None:  # an AsyncState (averaging/asynchronous.py imports this module)
         super().__init__(name="unison-async-average", daemon=True)
         self.state, self.world = state, dist.get_world_size(state.group)
         self.failure: Optional[tuple[BaseException, str]] = None  # the error and its traceback

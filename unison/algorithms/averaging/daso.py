@@ -2,9 +2,9 @@
 
 Gradients are averaged synchronously inside each node; across nodes the
 replicas exchange their weights, rarely, with non-blocking collectives whose
-result is merged a few batches later. ``daso_schedule`` says when (phases,
-skips, the plateau rule), ``daso_transport`` moves the weights; this module
-wires them to the events. See docs/algorithms.md#daso.
+result is merged a few batches later. One module, three parts: ``Schedule``
+says when (phases, skips, the plateau rule; pure bookkeeping), ``Transport``
+moves the weights, ``DASO`` wires them to the events. See docs/algorithms.md#daso.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         hierarchical: the node averages the pseudo-gradients inside, each local rank carries
             its shard across nodes, the node gathers; every process then takes the outer step.
         fragments, delay: how the outer syncs are streamed (streaming DiLoCo; see
-            ``streamed.Streamed``); ``fragments`` defaults to 1 with ``overlap``.
+            ``streaming.Streamed``); ``fragments`` defaults to 1 with ``overlap``.
         mixing: with a delay, the merged weights are ``mixing * local + (1 - mixing) * outer``
             (the paper's alpha); None keeps the local steps taken meanwhile instead
             (``outer + local - local_at_launch``).

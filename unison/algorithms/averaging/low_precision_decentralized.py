@@ -216,7 +216,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     Args:
         period: optimizer steps between two rounds (1: every step); alias
             ``communication_interval`` (Bagua's name).
-        fragments, delay, hierarchical: see ``streamed.Streamed`` (hierarchical: the ring is of nodes).
+        fragments, delay, hierarchical: see ``streaming.Streamed`` (hierarchical: the ring is of nodes).
 
     Example::
 
