@@ -145,6 +145,40 @@ def is_failure(exc: BaseException) -> bool:
     return isinstance(exc, MembershipChanged) or health.is_comm_failure(exc)
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Who does what in a settle, from every member's ``(committed step, kind, shared rounds)``.
+
+    Attributes:
+        top: ``(step, shared rounds)`` of the members furthest ahead (joiners never are, unless
+            only joiners are left).
+        source: the lowest rank at ``top``: it sends its state to every rank ``behind``.
+        behind: the ranks that receive the source's state (the joiners among them).
+        contributors: the ranks inside the gradient round of step ``top + 1``: it is redone on them.
+        overtaken: the ranks that were inside a gradient round the source had already finished
+            (no redo): healed to ``top``, their pending optimizer step must do nothing.
+        idle: the ranks at ``top`` that were between steps while others redo a round (their batch is lost).
+    """
+
+    top: tuple[int, int]
+    source: int
+    behind: list[int]
+    contributors: list[int]
+    overtaken: list[int]
+    idle: list[int]
+
+    @classmethod
+    def of(cls, statuses: list[tuple[int, str, int]]) -> "Plan":
+        running = [(s, n) for s, k, n in statuses if k != "join"]
+        top = max(running) if running else max((s, n) for s, _, n in statuses)
+        source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
+        behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
+        contributors = [r for r, (s, k, _) in enumerate(statuses) if k == "grad" and s == top[0]]
+        overtaken = [] if contributors else [r for r in behind if statuses[r][1] == "grad"]
+        idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
+        return cls(top, source, behind, contributors, overtaken, idle)
+
+
 class FaultTolerance:
     """``model.ft``: the job's membership as this worker sees it, and the recovery; the wrapper's
     Core holds it as its fault policy (``unison.core.FaultPolicy``).
@@ -240,9 +274,10 @@ class FaultTolerance:
         return True
 
     def at_boundary(self) -> None:
-        """Between two steps: if the membership changed, regroup now (a lone member, or one whose
-        algorithm has no collective for a while, would otherwise never notice a joiner)."""
-        if not self._recovering and self._member.changed():
+        """Between two steps: regroup now if a new membership waits for this worker (a lone
+        member, or one whose algorithm has no collective for a while, would otherwise never
+        notice a joiner); a departure alone is taken up by the next collective."""
+        if not self._recovering and self._member.wanted_now():
             self._settled("idle", None, regroup=True)
 
     # ---- recovery -------------------------------------------------------------------------
@@ -321,9 +356,8 @@ class FaultTolerance:
             )
             self._member.store.set("ft/abort", why)  # the coordinator ends the job: no more replacements
             raise health.RankFailure(f"worker {self._member.id}: {why}", [])
-        top = max(running) if running else max((s, n) for s, _, n in statuses)
-        source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
-        behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
+        plan = Plan.of(statuses)
+        top, source, behind, contributors = plan.top, plan.source, plan.behind, plan.contributors
         rank = dist.get_rank(group)
         started = time.time()
         payload = self._payload(full=bool(behind)) if rank == source else None
@@ -339,10 +373,12 @@ class FaultTolerance:
                 model.core.load_algorithm_entry(own, strict=False, what="model")
             if rank == source:
                 self.note("heal_send", f"to rank(s) {behind} at step {top[0]}")
-        contributors = [r for r, (s, k, _) in enumerate(statuses) if k == "grad" and s == top[0]]
         if contributors:
             self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")
             self.note("redo", f"gradient round of step {top[0] + 1} on {len(contributors)} contributor(s)")
+        elif rank in plan.overtaken:
+            self._drop_pending(model)
+            self.note("drop", f"its gradient round of step {top[0]}: the others had finished it, the heal applied it")
         elif kind == "drop" and getattr(model.core.algorithm, "redoes_syncs", False):
             self.note("redo", f"the interrupted sync after step {self.step}, at the next step")
         elif kind == "drop":
@@ -351,9 +387,8 @@ class FaultTolerance:
         if not self._member.veteran:  # from now on, a membership of fresh joiners only has lost the job's state
             self._member.store.set(STATE_KEY, "1")
             self._member.veteran = True
-        idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
-        if idle:
-            self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {idle}, which were between steps")
+        if plan.idle:
+            self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {plan.idle}, which were between steps")
 
     def _align_data(self, leader: int) -> None:
         """Give every member the data position of ``leader`` (one that was mid-step, if any): a
@@ -397,6 +432,14 @@ class FaultTolerance:
             else:
                 self._healed[name] = state
         seed_all(zlib.crc32(f"{self.step}/{self._member.id}".encode()))
+
+    def _drop_pending(self, model: Guarded) -> None:
+        """This member was healed past the gradient round it was in: the backward it is inside
+        ends with no gradient, and the optimizer step that follows changes nothing and is not
+        counted (the heal already applied that step)."""
+        for _, p in model.core.replica.trainable:
+            p.grad = None
+        self._swallow = True
 
     def _redo(self, model: Guarded, local: Optional[dict[int, torch.Tensor]], contributors: int, swallow: bool) -> None:
         """The interrupted gradient round again, on this quorum; a member without a saved

@@ -190,6 +190,16 @@ class Job:
         return found
 
 
+def ledger_errors(result: dict, found: dict[int, dict]) -> str:
+    """What a wrong ledger holds: the steps applied other than once, and every finisher's events."""
+    wrong = {s: w for s, w in enumerate(result["w"]) if w != -1.0}
+    events = "\n".join(
+        f"worker {wid}: " + "; ".join(f"{t:.2f} {kind} {detail}" for t, kind, detail in r["events"])
+        for wid, r in sorted(found.items())
+    )
+    return f"worker {result['id']}: steps applied other than once {wrong}\n{events}"
+
+
 def kinds(result: dict) -> list[str]:
     return [kind for _, kind, _ in result["events"]]
 
@@ -394,7 +404,7 @@ def test_chaos_random_kills_and_stops_for_a_minute_leave_exact_ledgers(tmp_path,
         assert result["step"] == steps and result["members"] == last, context
         assert result["origin"] == 1, context  # healed, through every heal, from the first membership's state
         if algorithm != "local_sgd":
-            assert result["w"] == [-1.0] * steps, context  # a doubled step shows -2, a lost one 0
+            assert result["w"] == [-1.0] * steps, f"{context}\n{ledger_errors(result, found)}"  # doubled: -2, lost: 0
     reference = found[last[0]]["w"]
     for result in found.values():
         assert result["w"] == pytest.approx(reference, abs=1e-6), context

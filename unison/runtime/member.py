@@ -71,6 +71,23 @@ class MembershipChanged(RuntimeError):
     """The job's membership changed while this worker waited on a collective of the old one."""
 
 
+def build_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """``init_process_group("gloo")`` over ``store``, which a failed attempt leaves ready for the next.
+
+    torch names an unnamed default group by a per-process count of groups made, reset only when
+    the default group is destroyed; a build that fails has counted, and has nothing to destroy.
+    Without the reset, a member whose build failed once looks for its next group's rendezvous
+    under another name than a fresh joiner's, and every build after it fails too (a livelock
+    of "the group could not be built" for good).
+    """
+    try:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except RuntimeError:
+        if not dist.is_initialized():
+            dist.distributed_c10d._world.group_count = 0
+        raise
+
+
 class Member:
     """This worker in the coordinator's memberships.
 
@@ -137,6 +154,18 @@ class Member:
         if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
             self.latest = int(self.store.get("ft/epoch"))
         return self.latest != self.epoch
+
+    def wanted_now(self) -> bool:
+        """Whether a newer membership waits for this worker to regroup between two steps: it
+        admits a joiner (who waits in its heal), or it asks for these same members again (a member
+        waits in the rebuild). A departure alone is left to the next collective, which fails on
+        every member at the same step: members of a drifting algorithm (local SGD, DiLoCo) that
+        noticed it between steps would settle at different steps, and the one behind would be
+        healed with the other's local progress."""
+        if not self.changed():
+            return False
+        newest = set(self._read(self.latest)["members"])
+        return bool(newest - set(self.members)) or newest == set(self.members)
 
     def check_membership(self) -> None:
         """Raise RankFailure if the job cannot go on or the newest membership leaves this worker out."""
@@ -273,9 +302,7 @@ class Member:
             rank = doc["members"].index(self.id)
             store = dist.PrefixStore(f"ft/pg/{epoch}/", self.store)
             try:
-                dist.init_process_group(
-                    "gloo", store=store, rank=rank, world_size=len(doc["members"]), timeout=RENDEZVOUS_TIMEOUT
-                )
+                build_world(store, rank, len(doc["members"]), RENDEZVOUS_TIMEOUT)
             except RuntimeError:
                 # A member that was ready died or stopped before it met the others (the coordinator
                 # publishes a membership without it), or the build ran out of time on a busy machine
