@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .buckets import MB
 from .codecs import MinMax8
-from .comm import all_gather_objects, chunks, flatten, ring_bytes, start, wait
+from .comm import all_gather_objects, chunks, flatten, ring_bytes, staged, start, wait
 from .flat import split
 
 #: Default size of one coalesced collective.
@@ -125,12 +125,23 @@ def average_async(
 def average_(
     tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], wire_dtype: Optional[torch.dtype] = None
 ) -> int:
-    """Replace ``tensors`` by their average over ``group`` (blocking); returns the bytes sent."""
-    pending = AsyncAverage(tensors, group, wire_dtype)
+    """Replace ``tensors`` by their average over ``group`` (blocking); returns the bytes sent.
+
+    One staging chunk at a time (``comm.staged``): it costs at most ``comm.STAGING_BYTES`` of
+    copies, whatever the tensors' size, and a tensor is written only once its chunk's average
+    has arrived whole.
+    """
+    world, sent = dist.get_world_size(group), 0
     with torch.no_grad():
-        for t, value in zip(tensors, pending.wait()):
-            t.copy_(value)
-    return pending.wire_bytes
+        for chunk in staged(list(tensors)):
+            flat = flatten(chunk)
+            wire = flat.to(wire_dtype) if wire_dtype is not None and flat.is_floating_point() else flat
+            wire.div_(world)
+            wait(start(dist.all_reduce, wire, group=group))
+            sent += ring_bytes(wire.numel() * wire.element_size(), world)
+            for t, value in zip(chunk, split(wire, chunk)):
+                t.copy_(value)
+    return sent
 
 
 def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:

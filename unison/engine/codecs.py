@@ -21,7 +21,7 @@ operation (several times faster on CPU), and needs no buffer of the input's size
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -93,6 +93,8 @@ class MinMax8:
         rows: equal parts, each packed as its own row (one per rank for an all_to_all).
         chunk_size: at most this many values per chunk.
         device: where the buffers live.
+        scratch: ``scratch(n)`` gives a float32 buffer of at least ``n`` values for the blocked
+            loops' work, shared by codecs that run one at a time (default: its own).
 
     A packed row is one uint8 tensor: the chunks' float32 mins, their scales,
     then one code per value, padded to a multiple of 4 bytes (so the side data
@@ -108,7 +110,14 @@ class MinMax8:
         y = codec.decode(message)[: x.numel()]
     """
 
-    def __init__(self, numel: int, rows: int = 1, chunk_size: int = 1024, device: torch.device = CPU) -> None:
+    def __init__(
+        self,
+        numel: int,
+        rows: int = 1,
+        chunk_size: int = 1024,
+        device: torch.device = CPU,
+        scratch: Optional[Callable[[int], torch.Tensor]] = None,
+    ) -> None:
         self.numel, self.rows = numel, rows
         self.chunks, self.size, self.row_bytes = layout(numel, rows, chunk_size)
         self.side = SIDE_BYTES * self.chunks
@@ -116,7 +125,11 @@ class MinMax8:
         self._values: Optional[torch.Tensor] = None
         self._scratch = torch.empty(2, rows, self.chunks, dtype=torch.float32, device=device)
         block = max(1, min(self.chunks, BLOCK // self.size))  # chunks per block
-        self._work = torch.empty(2, block, self.size, dtype=torch.float32, device=device)
+        shape = (2, block, self.size)
+        if scratch is None:
+            self._work = torch.empty(shape, dtype=torch.float32, device=device)
+        else:  # shared by codecs run one at a time
+            self._work = scratch(2 * block * self.size)[: 2 * block * self.size].view(shape)
         # (row, first chunk, chunks, first value, real values) of each block, in order.
         self._blocks = []
         for row in range(rows):

@@ -8,6 +8,7 @@ import concurrent.futures
 import ctypes
 import io
 import pickle
+import threading
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -21,8 +22,20 @@ from .flat import by_kind
 # The most recent works stay referenced from Python. A work whose last reference
 # is dropped by gloo's worker thread needs the GIL to die; if that happens while
 # the interpreter is exiting, the process aborts ("terminate called without an
-# active exception"). Holding them here makes the main thread release them.
+# active exception"). Holding them here makes the main thread release them, once
+# they have completed: a work keeps its tensors alive (a coalesced copy, a wire
+# buffer), so holding completed ones would keep up to 64 collectives' buffers.
 _recent_works: collections.deque = collections.deque(maxlen=64)
+_works_lock = threading.Lock()  # comm threads start collectives too
+
+
+def _release_completed() -> None:
+    """Drop (on this thread) the references to the works that have completed."""
+    with _works_lock:
+        if any(w.is_completed() for w in _recent_works):
+            live = [w for w in _recent_works if not w.is_completed()]
+            _recent_works.clear()
+            _recent_works.extend(live)
 
 
 def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -32,7 +45,9 @@ def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     works are released by Python, never by a communication thread at exit.
     """
     work = collective(*args, async_op=True, **kwargs)
-    _recent_works.append(work)
+    _release_completed()
+    with _works_lock:
+        _recent_works.append(work)
     return work
 
 
@@ -41,7 +56,9 @@ def wait(work: Any, p2p: bool = False) -> Any:
     with the membership (``MembershipChanged`` instead of blocking on a dead or stopped peer).
     ``p2p``: the work of a send or receive (never waited on with a timeout)."""
     current = member.active()
-    return work.wait() if current is None else current.wait(work, timed=not p2p)
+    result = work.wait() if current is None else current.wait(work, timed=not p2p)
+    _release_completed()
+    return result
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -86,9 +103,34 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             offset += n
 
 
+#: The most a blocking collective over many tensors (a broadcast, an average) copies at once.
+STAGING_BYTES = 4 * MB
+
+
+def staged(tensors: Sequence[torch.Tensor], cap_bytes: int = STAGING_BYTES) -> list[list[torch.Tensor]]:
+    """``tensors`` in chunks of at most ``cap_bytes`` (``chunks``), a contiguous tensor larger than
+    that cut into flat views that fit: a blocking collective copies one chunk at a time into a
+    staging buffer and back, so it costs one chunk, never a model, and leaves a tensor untouched
+    until its chunk has arrived whole (a peer failing half-way corrupts nothing)."""
+    pieces: list[torch.Tensor] = []
+    for t in tensors:
+        per = max(1, cap_bytes // max(1, t.element_size()))
+        if t.is_contiguous() and t.numel() > per:
+            flat = t.detach().view(-1)
+            pieces.extend(flat[i : i + per] for i in range(0, flat.numel(), per))
+        else:
+            pieces.append(t)
+    return chunks(pieces, cap_bytes)
+
+
 def default_broadcast(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-    """Broadcast ``tensors`` in place from the group's first rank, coalesced."""
-    AsyncBroadcast(tensors, group).finish()
+    """Broadcast ``tensors`` in place from the group's first rank, through one staging chunk at a
+    time (``staged``: the transient copy is at most ``STAGING_BYTES``, never the whole model)."""
+    src = src_rank(group)
+    for chunk in staged(tensors):
+        flat = flatten(chunk)
+        wait(start(dist.broadcast, flat, src=src, group=group))
+        unflatten_into(flat, chunk)
 
 
 class AsyncBroadcast:

@@ -34,6 +34,8 @@ class Exchange:
         chunk_size: values per quantization chunk, at most.
         device: where the buffers live.
         part_values: values per pipelined part, about (whole codec blocks).
+        slots: the message buffers, shared by Exchanges that run one after another
+            (default: its own).
 
     The buffer is cut into parts of whole chunks (``MinMax8.split``), each
     exchanged with its own asynchronous collectives: encoding part k+1 and
@@ -48,11 +50,19 @@ class Exchange:
     """
 
     def __init__(
-        self, numel: int, world: int, chunk_size: int, device: torch.device, part_values: int = PART_VALUES
+        self,
+        numel: int,
+        world: int,
+        chunk_size: int,
+        device: torch.device,
+        part_values: int = PART_VALUES,
+        slots: Optional["Slots"] = None,
     ) -> None:
-        self.codec = MinMax8(numel, rows=world, chunk_size=chunk_size, device=device)
+        self.slots = Slots() if slots is None else slots
+        self.codec = MinMax8(
+            numel, rows=world, chunk_size=chunk_size, device=device, scratch=lambda n: self.slots.scratch(n, device)
+        )
         self.parts = self.codec.split(max(1, numel // max(1, part_values)))
-        self.buffers = [(p.empty(), p.empty(), p.empty(1)) for p in self.parts]
 
     def run(
         self, flat: torch.Tensor, group: Optional[dist.ProcessGroup], residual: Optional[torch.Tensor] = None
@@ -64,11 +74,13 @@ class Exchange:
         quantization lost.
         """
         pad = self.codec.pad_value(flat, residual)
-        parts, bufs, count = self.parts, self.buffers, len(self.parts)
+        parts, count = self.parts, len(self.parts)
+        bufs: list[Any] = [None] * count
         sent: list[Any] = [None] * count
         gathered: list[Any] = [None] * count
 
         def send(k: int) -> None:
+            bufs[k] = self.slots.buffers(k % len(self.slots), parts[k])
             parts[k].encode_from(flat, bufs[k][0], feedback=residual, pad=pad)
             sent[k] = dist.all_to_all_single(bufs[k][1].view(-1), bufs[k][0].view(-1), group=group, async_op=True)
 
@@ -84,6 +96,43 @@ class Exchange:
                 parts[k - 1].decode_into(bufs[k - 1][1], flat)
         comm.wait(gathered[-1])
         return parts[-1].decode_into(bufs[-1][1], flat)
+
+
+class Slots:
+    """The message buffers of Exchanges run one after another (on one thread): one set per part
+    in flight (part k-1 gathering, k summing, k+1 sending), grown to the largest part, so an
+    8-bit average costs three parts' messages, not its buffer's nor a model's.
+
+    Example::
+
+        slots = Slots()
+        exchanges = [Exchange(b.flat.numel(), world, 1024, device, slots=slots) for b in buckets]
+    """
+
+    def __init__(self, count: int = 3) -> None:
+        self._raw: list[Optional[torch.Tensor]] = [None] * count
+        self._scratch: Optional[torch.Tensor] = None
+
+    def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """The codecs' shared float32 work buffer, of at least ``numel`` values (``MinMax8(scratch=)``)."""
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != torch.device(device):
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._scratch
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def buffers(self, slot: int, part: MinMax8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s (sent rows, received rows, owned row) laid out for ``part``."""
+        rows, width = part.rows * part.row_bytes, part.row_bytes
+        raw = self._raw[slot]
+        if raw is None or raw.numel() < 2 * rows + width or raw.device != part.device:
+            raw = self._raw[slot] = torch.empty(2 * rows + width, dtype=torch.uint8, device=part.device)
+        return (
+            raw[:rows].view(part.rows, width),
+            raw[rows : 2 * rows].view(part.rows, width),
+            raw[2 * rows : 2 * rows + width].view(1, width),
+        )
 
 
 @lru_cache(maxsize=256)

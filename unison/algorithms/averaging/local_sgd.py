@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...engine.averaging import AsyncAverage, average_
-from ...engine.comm import Waitable
+from ...engine.comm import Finished, Waitable
 from ...replica import Replica
 from .. import options
 from ..schedules import StepCount
@@ -109,6 +109,9 @@ class LocalSGD(Streamed[LocalSGDState]):
     def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[Waitable, Any]:
         """Start averaging ``fragment``; keep its values when the average lands late."""
         tensors = state.fragments[fragment]
+        if not state.late and state.levels is None:  # lands at once: averaged in place, staged by chunks
+            state.bytes_sent += average_(tensors, state.group)
+            return Finished(None), None
         with torch.no_grad():
             at_launch = [t.detach().clone() for t in tensors] if state.late else None
         if state.levels is not None:  # the node's mean, shards across nodes
@@ -119,4 +122,5 @@ class LocalSGD(Streamed[LocalSGDState]):
         return pending, at_launch
 
     def merge(self, replica: Replica, state: LocalSGDState, fragment: int, result: Any, extra: Any) -> None:
-        write_average(state.fragments[fragment], result, extra)
+        if result is not None:  # None: averaged in place at the launch
+            write_average(state.fragments[fragment], result, extra)

@@ -42,11 +42,14 @@ def bucket_exchange(
     cache: dict[Any, Exchange], bucket: Bucket, world: int, chunk_size: int, numel: Optional[int] = None
 ) -> Exchange:
     """The reusable Exchange of ``bucket`` (or of ``numel`` values of it: a shard) kept in ``cache``
-    (rebuilt if the bucket changed size)."""
+    (rebuilt if the bucket changed size). The cache's Exchanges run on one thread, so they share
+    one set of message buffers."""
     numel = bucket.flat.numel() if numel is None else numel
     ex = cache.get(bucket.index)
     if ex is None or ex.codec.numel != numel or ex.codec.rows != world:
-        ex = cache[bucket.index] = Exchange(numel, world, chunk_size, bucket.flat.device)
+        first = next(iter(cache.values()), None)
+        slots = first.slots if first is not None else None
+        ex = cache[bucket.index] = Exchange(numel, world, chunk_size, bucket.flat.device, slots=slots)
     return ex
 
 

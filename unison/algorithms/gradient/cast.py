@@ -16,6 +16,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from ...engine import halfcast
 from ...engine.buckets import Bucket
 from ...engine.comm import Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
@@ -25,13 +26,13 @@ from ..contract import Algorithm, State
 
 
 class CastState(State):
-    """One reusable wire buffer per bucket (no allocation per step), and the two levels when asked for."""
+    """The two levels when asked for. No wire buffer: a bucket is cast in its own bytes
+    (``unison.engine.halfcast``), so a cast costs no memory beyond the bucket."""
 
-    __slots__ = ("wire", "levels")
+    __slots__ = ("levels",)
 
     def __init__(self, levels: Optional[TwoLevel] = None) -> None:
         super().__init__()
-        self.wire: dict[int, torch.Tensor] = {}
         self.levels = levels
 
     def close(self) -> None:
@@ -65,32 +66,19 @@ class CastAllReduce(Algorithm[CastState]):
             return CastState()
         return CastState(TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True))
 
-    def _wire_buffer(self, state: CastState, bucket: Bucket) -> torch.Tensor:
-        buf = state.wire.get(bucket.index)
-        if buf is None or buf.numel() != bucket.flat.numel() or buf.device != bucket.flat.device:
-            buf = state.wire[bucket.index] = torch.empty(
-                bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device
-            )
-        return buf
-
     def reduce_bucket(
         self, replica: Replica, state: CastState, bucket: Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[Waitable]:
         h = state.levels
         if h is not None:
-            cross = (
-                h.allreduce
-                if bucket.flat.dtype == self.wire_dtype
-                else partial(_cast_cross, h, self._wire_buffer(state, bucket))
-            )
+            cross = h.allreduce if bucket.flat.dtype == self.wire_dtype else partial(_cast_cross, h, self.wire_dtype)
             return h.submit(h.run, bucket.flat, cross)
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
-        wire = self._wire_buffer(state, bucket)
-        wire.copy_(bucket.flat)
-        future = start(dist.all_reduce, wire, group=group).get_future()
         flat = bucket.flat
-        return future.then(lambda _: flat.copy_(wire))
+        wire = _narrow(flat, self.wire_dtype)
+        future = start(dist.all_reduce, wire, group=group).get_future()
+        return future.then(lambda _: _widen(wire, flat))
 
     def bucket_wire_bytes(self, replica: Replica, state: CastState, bucket: Bucket, world_size: int) -> int:
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
@@ -100,12 +88,21 @@ class CastAllReduce(Algorithm[CastState]):
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 
 
-def _cast_cross(h: TwoLevel, wire: torch.Tensor, shard: torch.Tensor, offset: int) -> None:
+def _narrow(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat`` cast to ``dtype``: in its own bytes where it can be (fp32 to a 2-byte dtype), else a copy."""
+    return halfcast.narrow_(flat, dtype) if halfcast.fits(flat, dtype) else flat.to(dtype)
+
+
+def _widen(wire: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The reduced ``wire`` cast back into ``flat``."""
+    return halfcast.widen_(wire, flat) if wire.data_ptr() == flat.data_ptr() else flat.copy_(wire)
+
+
+def _cast_cross(h: TwoLevel, dtype: torch.dtype, shard: torch.Tensor, offset: int) -> None:
     """The cross-node step in the wire dtype: the node's sum of the shard, cast, summed, cast back."""
-    part = wire[offset : offset + shard.numel()]
-    part.copy_(shard)
-    h.allreduce(part, offset)
-    shard.copy_(part)
+    wire = _narrow(shard, dtype)
+    h.allreduce(wire, offset)
+    _widen(wire, shard)
 
 
 class FP16(CastAllReduce):

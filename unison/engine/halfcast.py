@@ -1,0 +1,61 @@
+"""A float32 buffer cast to a 2-byte dtype (fp16, bf16) and back in place: a cast needs no wire buffer.
+
+The 2-byte values are written into the first half of the buffer's own bytes.
+Value ``i`` of the narrow form lies at bytes ``[2i, 2i+2)``, of the wide form at
+``[4i, 4i+4)``; so the range ``[a, 2a)`` is cast in one kernel whose input and
+output do not overlap, and ranges go in doubling order (narrowing) or in
+reverse (widening), each writing only over values already read. The first
+``FIRST`` values go through a small temporary. ``log2(numel / FIRST)`` kernels
+in all; the values are those of ``flat.to(dtype)``, bit for bit.
+
+Example::
+
+    wire = narrow_(bucket.flat, torch.float16)  # a float16 view of the bucket's first half
+    dist.all_reduce(wire)
+    widen_(wire, bucket.flat)                   # the float32 sums, back in the bucket
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fits", "narrow_", "widen_"]
+
+#: Values cast through a temporary: the first range, of which the narrow form overlaps the wide one.
+FIRST = 1 << 16
+
+
+def fits(flat: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``flat`` can be narrowed to ``dtype`` in place (a contiguous 1-D buffer twice its size)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return flat.dim() == 1 and flat.is_contiguous() and flat.element_size() == 2 * item and flat.dtype != dtype
+
+
+def _ranges(numel: int) -> list[tuple[int, int]]:
+    """``[0, FIRST)``, then doubling ranges ``[a, 2a)`` up to ``numel``."""
+    out = [(0, min(numel, FIRST))]
+    while out[-1][1] < numel:
+        a = out[-1][1]
+        out.append((a, min(numel, 2 * a)))
+    return out
+
+
+def narrow_(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast ``flat`` to ``dtype`` into the first half of its own bytes; returns that narrow view.
+
+    ``flat`` holds garbage afterwards until ``widen_`` puts the (reduced) values back.
+    """
+    n = flat.numel()
+    out = flat.view(dtype)[:n]
+    with torch.no_grad():
+        for a, b in _ranges(n):
+            out[a:b].copy_(flat[a:b].to(dtype) if a == 0 else flat[a:b])
+    return out
+
+
+def widen_(narrow: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Cast the narrow view ``narrow_`` returned back into ``flat``, in place; returns ``flat``."""
+    with torch.no_grad():
+        for a, b in reversed(_ranges(flat.numel())):
+            flat[a:b].copy_(narrow[a:b].to(flat.dtype) if a == 0 else narrow[a:b])
+    return flat
