@@ -97,8 +97,18 @@ def test_the_upward_import_is_data():
     assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
-# Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions, ...).
-TORCH_PRIVATE = {"_metadata", "_version", "_execution_engine", "_get_default_store", "_exit", "_pytree", "_foreach"}
+# Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions,
+# c10d's _world: the count that names unnamed groups, put back after a failed regroup, ...).
+TORCH_PRIVATE = {
+    "_metadata",
+    "_version",
+    "_execution_engine",
+    "_get_default_store",
+    "_exit",
+    "_pytree",
+    "_foreach",
+    "_world",
+}
 
 
 def _private_reaches(path: pathlib.Path) -> list[str]:
