@@ -119,6 +119,11 @@ class Hooks:
 
         _patch(self._scaler_patches, scaler, "update", update_and_tell)
 
+    @property
+    def module_hooks(self) -> tuple[RemovableHandle, ...]:
+        """The handles of the forward hooks on modules (a pickled wrapper leaves them out)."""
+        return tuple(self._handles)
+
     def remove(self) -> None:
         """Remove every hook registered for the algorithm (it is leaving)."""
         for handle in self._handles:

@@ -7,29 +7,34 @@ events of a training step from its forward and its optimizers' steps. The
 default algorithm, "allreduce", averages gradients in flat buckets overlapped
 with backward. Join's hook is in ``unison.join``, the non-finite agreement in
 ``unison.engine.nonfinite``, the debug check in ``unison.debug``, torch DDP's
-keywords in ``unison.ddp_keywords`` and fault tolerance in ``unison.fault``.
+keywords and checks in ``unison.ddp_keywords``, torch's comm-hook contract in
+``unison.comm_hook`` and fault tolerance in ``unison.fault``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import warnings
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
-from . import ddp_keywords
+from . import comm_hook, ddp_keywords
 from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
 from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
-from .engine.comm import AsyncBroadcast, default_broadcast
+from .engine.comm import AsyncBroadcast, all_gather_objects, default_broadcast
 from .engine.reducer import GradReducer
 from .fault import FaultTolerance, joining_member
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
@@ -52,12 +57,15 @@ class DataParallel(nn.Module):
         algorithm: a name for ``unison.algorithms.create`` or an Algorithm.
         process_group: the group the replicas talk over (default: the world).
         broadcast_buffers: keep buffers (BatchNorm statistics) equal to rank 0's
-            after every synchronized backward.
-        bucket_cap_mb: size of a gradient bucket in MiB (the first is at most 1 MiB).
+            after every synchronized backward, and broadcast them at construction
+            (default: True; False does neither, as in torch DDP).
+        bucket_cap_mb: size of a gradient bucket in MiB (default 25; the first is at most 1 MiB).
         negotiate_grads: agree each step on which parameters have a gradient on
             some rank, so dynamic graphs need no flag and never hang. With False,
             a parameter with no gradient anywhere gets a zero gradient.
-        find_unused_parameters: accepted for torch compatibility; never needed.
+        find_unused_parameters: torch DDP's flag; negotiation already lets
+            parameters go without a gradient (one used on no rank keeps
+            ``grad=None``, as torch's), so it needs ``negotiate_grads=True``.
         delay_reduce: reduce after backward instead of overlapping with it.
         reduce_function: ``fn(tensors, group)`` that averages ``tensors`` in
             place; replaces the algorithm's reduction (called after backward).
@@ -78,8 +86,33 @@ class DataParallel(nn.Module):
             --fault-tolerant``; needs ``optimizer``). ``model.ft`` then gives
             the committed ``step``, the ``members`` and the ``events``; see
             docs/fault-tolerance.md. Without it, ``model.ft`` is None.
-        **ddp_kwargs: torch DDP arguments that do not apply here (device_ids,
-            output_device, ...): accepted with a warning naming them.
+        **ddp_kwargs: torch DDP's other keywords, with torch's meaning
+            (``unison.ddp_keywords``): ``device_ids`` (one GPU; inputs are moved
+            there), ``output_device``, ``dim``, ``init_sync`` (False: no initial
+            broadcast), ``device_mesh`` (a 1-D mesh: its group),
+            ``forward_sync_buffers``, ``check_reduction`` (deprecated),
+            ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` (speed
+            options of torch's; the same gradients here). ``mixed_precision``,
+            ``bucket_cap_mb_list`` and the delayed-allreduce pair are refused
+            with the reason.
+
+    The module is checked as torch DDP checks it, with torch's error types and
+    messages (a trainable parameter, one device type, ``device_ids`` only for a
+    single-device GPU module, no uninitialized parameter, no SyncBatchNorm on
+    CPU), and every rank raises when any rank's check fails: none is left
+    waiting in a collective.
+
+    Pickling (``torch.save(model)``, ``copy.deepcopy(model)``) keeps the module,
+    the settings and the algorithm's configuration, and drops what is live, as
+    torch DDP's ``__getstate__`` drops its process group and reducer: the group,
+    the gradient engine, hooks, optimizers, custom reduce/broadcast functions and
+    the algorithm's running state (save those with ``state_dict()`` or
+    ``unison.save``). The restored wrapper has no process group: use it for
+    inference, or wrap it (or its ``.module``) in a new ``DataParallel`` to
+    train. Its forward runs the module; a forward with gradients enabled warns
+    once that backward computes this process's gradients only, synchronizing
+    nothing (it never waits for other ranks); ``join``, ``average``,
+    ``register_comm_hook``, ``register_optimizer`` and ``switch_to`` raise.
 
     Example::
 
@@ -89,14 +122,17 @@ class DataParallel(nn.Module):
         optimizer.step()
     """
 
+    #: True for a wrapper restored from a pickle or a deepcopy: no group, no engine.
+    _restored = False
+
     def __init__(
         self,
         module: nn.Module,
         optimizer: Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None] = None,
         algorithm: Union[str, algos.Algorithm] = "allreduce",
         process_group: Optional[dist.ProcessGroup] = None,
-        broadcast_buffers: bool = True,
-        bucket_cap_mb: float = 25,
+        broadcast_buffers: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None,
         negotiate_grads: bool = True,
         find_unused_parameters: bool = False,
         delay_reduce: bool = False,
@@ -108,25 +144,53 @@ class DataParallel(nn.Module):
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
+        if isinstance(module, DataParallel) and module._restored:
+            module = module.__dict__["_modules"]["module"]  # a restored wrapper wrapped again: its module
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
-        ddp_keywords.check(ddp_kwargs, stacklevel=2)
-        check_bucket_cap(bucket_cap_mb)
-        if nonfinite not in nonfinite_.MODES:
-            raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
+        group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
+        worker = joining_member(fault_tolerant, algorithm, group, optimizer)
+        self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
+        # Checks that may differ between ranks are agreed on before any other collective.
+        with _raised_everywhere(self.process_group if worker is None else None):
+            torch_keywords = ddp_keywords.parse(ddp_kwargs, stacklevel=3)
+            _refuse_positional_device_ids(optimizer)
+            bucket_cap_mb = check_bucket_cap(25 if bucket_cap_mb is None else bucket_cap_mb)
+            if nonfinite not in nonfinite_.MODES:
+                raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
+            for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
+                if fn is not None and not callable(fn):
+                    raise TypeError(f"{name} must be callable as fn(tensors, group)")
+            if find_unused_parameters and not negotiate_grads:
+                raise ValueError(
+                    "find_unused_parameters=True needs negotiate_grads=True (negotiation is how unison finds them); "
+                    "with negotiate_grads=False a parameter with no gradient anywhere gets a zero gradient"
+                )
+            device_ids, output_device = ddp_keywords.check_module(
+                module, torch_keywords.device_ids, torch_keywords.output_device
+            )
+            runtime_buffers, initial_buffers = ddp_keywords.buffer_sync(
+                broadcast_buffers, torch_keywords.forward_sync_buffers, stacklevel=3
+            )
         if debug is None:
             debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
-        for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable as fn(tensors, group)")
-        worker = joining_member(fault_tolerant, algorithm, process_group, optimizer)
 
         self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = runtime_buffers
         self.negotiate_grads = negotiate_grads
+        self.find_unused_parameters = find_unused_parameters
         self.delay_reduce = delay_reduce
         self.nonfinite = nonfinite
         self.debug = bool(debug)
+        # torch DDP's attributes, with torch's values.
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = torch_keywords.dim
+        self.init_sync = torch_keywords.init_sync
+        self.skip_all_reduce_unused_params = torch_keywords.skip_all_reduce_unused_params
+        self.device = next(iter(module.parameters())).device
+        self.device_type = self.device.type
+        self._initial_buffers = initial_buffers
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function or default_broadcast
         self._require_sync = True
@@ -134,7 +198,6 @@ class DataParallel(nn.Module):
         self._skipped_local = 0
         self._buffer_sync: Optional[AsyncBroadcast] = None
         self._step_group: Optional[dist.ProcessGroup] = None
-        self.process_group, self.world_size, self.rank = membership(process_group, "DataParallel")
         self.serial = new_tag("model")
 
         named = list(module.named_parameters())
@@ -145,7 +208,7 @@ class DataParallel(nn.Module):
             self.process_group,
             self.serial,
             modules=list(module.modules()),
-            broadcast_buffers=broadcast_buffers,
+            broadcast_buffers=runtime_buffers,
             bucket_cap_mb=bucket_cap_mb,
         )
         self.optimizers = self._core.optimizers
@@ -175,8 +238,12 @@ class DataParallel(nn.Module):
         health.start(dist.get_rank(), dist.get_world_size())  # if unison.init() did not (a group made by hand)
         self._check_ranks_agree(named)
         self._step_group = private_group(self.process_group, f"{self.serial}/step")
+        if not self.init_sync:
+            return  # torch's init_sync=False: the user made the replicas equal
         with torch.no_grad():
-            tensors = [p for _, p in named] + [b for _, b in self.module.named_buffers()]
+            tensors: list[torch.Tensor] = [p for _, p in named]
+            if self._initial_buffers:
+                tensors += [b for _, b in self.module.named_buffers()]
             if tensors:
                 self._broadcast_function(tensors, self.process_group)
 
@@ -187,6 +254,8 @@ class DataParallel(nn.Module):
             ("setting", "algorithm", self.algorithm.describe()),
             ("setting", "bucket_cap_mb", self.bucket_cap_mb),
             ("setting", "broadcast_buffers", self.broadcast_buffers),
+            ("setting", "init_sync", self.init_sync),
+            ("setting", "buffers broadcast at construction", self._initial_buffers),
             ("setting", "negotiate_grads", self.negotiate_grads),
             ("setting", "delay_reduce", self.delay_reduce),
             ("setting", "nonfinite", self.nonfinite),
@@ -249,6 +318,7 @@ class DataParallel(nn.Module):
 
             model = model.switch_to("local_sgd:period=8")
         """
+        self._require_live("switch_to()")
         new = algos.as_algorithm(algorithm)
         with self._core.entry("switch_to()"):
             if self.process_group is not None:
@@ -315,6 +385,10 @@ class DataParallel(nn.Module):
 
     # ---- the training step ---------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device_ids:  # torch DDP's device_ids: inputs are moved to the module's device
+            args, kwargs = _moved((args, kwargs), torch.device(self.device_type, self.device_ids[0]))
+        if self._restored:
+            return self._restored_forward(*args, **kwargs)
         with self._core.entry("forward"):
             join = self._join_hook.active
             if join is not None:
@@ -334,6 +408,26 @@ class DataParallel(nn.Module):
                 output = self.module(*args, **kwargs)
             core.events.after_forward(output)
             return output
+
+    def _restored_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A restored wrapper's forward: the module's, synchronizing nothing (said once when training)."""
+        if torch.is_grad_enabled() and not self.__dict__.get("_warned_restored"):
+            self._warned_restored = True
+            warnings.warn(_RESTORED + " Backward computes this process's gradients only.", stacklevel=3)
+        return self.module(*args, **kwargs)
+
+    def _require_live(self, what: str) -> None:
+        if self._restored:
+            raise RuntimeError(f"{what}: {_RESTORED}")
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: False while inside ``no_sync()`` (setting it is ``no_sync``'s switch)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
 
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
@@ -355,6 +449,7 @@ class DataParallel(nn.Module):
                     loss_fn(model(x), y).backward()
                     optimizer.step()
         """
+        self._require_live("join()")
         return Join(self.join_hook(), divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def join_hook(self) -> JoinHook:
@@ -379,6 +474,7 @@ class DataParallel(nn.Module):
         With ``fault_tolerant=True`` a membership change during it is recovered from and the
         average done again over the new members.
         """
+        self._require_live("average()")
         with self._core.entry("average()"):
             self._core.recovering(self._average)
 
@@ -421,6 +517,7 @@ class DataParallel(nn.Module):
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""
+        self._require_live("register_optimizer()")
         self._core.add_optimizer(optimizer, weak(self._before_step), weak(self._after_step))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, shadow: bool = False) -> None:
@@ -470,35 +567,48 @@ class DataParallel(nn.Module):
         self._core.hooks.watch_scaler(scaler)
 
     # ---- hooks ----------------------------------------------------------
-    def register_comm_hook(self, *args: Any) -> Optional[RemovableHandle]:
-        """Register a communication hook, in either of two forms.
+    def register_comm_hook(
+        self, state: Any = comm_hook.NOT_GIVEN, hook: Any = comm_hook.NOT_GIVEN
+    ) -> Optional[RemovableHandle]:
+        """Register a communication hook, in torch DDP's form or pytorch-pfn-extras'.
+
+        ``register_comm_hook(state, hook)`` or ``register_comm_hook(state=..., hook=...)``
+        (torch DDP): ``hook(state, bucket)`` returns a ``torch.futures.Future`` of the
+        reduced bucket and replaces the reduction, so torch's own hooks
+        (``default_hooks.fp16_compress_hook``, PowerSGD, ...) run unchanged. torch's
+        checks and messages apply (``unison.comm_hook``): the hook is callable, its
+        ``bucket`` annotated ``dist.GradBucket`` if at all, its return annotated
+        ``torch.futures.Future[torch.Tensor]`` if at all; it is registered once only
+        (RuntimeError after); one that returns no Future raises torch's RuntimeError
+        in backward. Returns None.
 
         ``register_comm_hook(hook)`` (pytorch-pfn-extras): ``hook(model)`` runs
         after backward, before gradients are synchronized; returns a handle
-        whose ``remove()`` unregisters it.
+        whose ``remove()`` unregisters it. Both forms may be registered together.
 
-        ``register_comm_hook(state, hook)`` (torch DDP): ``hook(state, bucket)``
-        returns a Future of the reduced bucket and replaces the reduction, so
-        torch's own hooks (``default_hooks.fp16_compress_hook``, ...) run unchanged.
+        Example::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
         """
-        if len(args) == 1:
-            (hook,) = args
+        self._require_live("register_comm_hook()")
+        kind, state, hook = comm_hook.form(state, hook)
+        if kind == comm_hook.PFN:
             if not callable(hook):
                 raise TypeError("register_comm_hook(hook): hook must be callable as hook(model)")
             model = weakref.ref(self)
             return self._require_reducer().add_before_sync(lambda: hook(model()))
-        if len(args) == 2:
-            state, hook = args
-            if not callable(hook):
-                raise TypeError("register_comm_hook(state, hook): hook must be callable as hook(state, bucket)")
-            if not self.algorithm.reduces_gradients:
-                raise RuntimeError(
-                    f"algorithm {self.algorithm.name!r} never averages gradients, so a (state, hook) comm hook "
-                    "would never run; register a hook(model) instead, which runs after every backward"
-                )
-            self._require_reducer().register_comm_hook(state, hook)
-            return None
-        raise TypeError("register_comm_hook takes (hook) or (state, hook)")
+        comm_hook.check(hook)
+        if not self.algorithm.reduces_gradients:
+            raise RuntimeError(
+                f"algorithm {self.algorithm.name!r} never averages gradients, so a (state, hook) comm hook "
+                "would never run; register a hook(model) instead, which runs after every backward"
+            )
+        reducer = self._require_reducer()
+        if reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        reducer.register_comm_hook(state, comm_hook.FutureChecked(hook))
+        return None
 
     def _require_reducer(self) -> GradReducer:
         """The gradient engine; built on demand for hooks where none runs (one replica,
@@ -529,6 +639,10 @@ class DataParallel(nn.Module):
         entry = state.pop(ALGORITHM_KEY, None) or state.pop("module." + ALGORITHM_KEY, None)
         if state and all(k.startswith("module.") for k in state):
             state = {k[len("module.") :]: v for k, v in state.items()}
+        if entry is not None and self._restored:
+            if strict:
+                raise ValueError(f"the state dict holds an algorithm's state: {_RESTORED}")
+            entry = None
         ours = entry is not None and self._core.accepts(
             entry, strict, "model", _SWITCH_FIRST
         )  # before any weight changes
@@ -536,6 +650,44 @@ class DataParallel(nn.Module):
         if ours and entry is not None:
             self._core.events.load_state_dict(entry["state"])
         return result
+
+    # ---- pickling ---------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``torch.save(model)`` and ``copy.deepcopy(model)`` keep: pending updates are
+        applied first, then the live parts are left out (the class docstring says which)."""
+        if "_core" in self.__dict__:
+            self.flush()
+        state = {k: v for k, v in self.__dict__.items() if k not in _LIVE}
+        if "_core" in self.__dict__ and self._core.hooks.module_hooks:
+            state["_modules"] = {"module": _without_hooks(self.module, self._core.hooks.module_hooks)}
+        state["_saved_algorithm"] = self.algorithm  # configuration only
+        state["_saved_bucket_cap_mb"] = self.bucket_cap_mb
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        algorithm = state.pop("_saved_algorithm")
+        bucket_cap_mb = state.pop("_saved_bucket_cap_mb")
+        super().__setstate__(state)
+        self._restored = True
+        self.process_group, self.world_size, self.rank = None, 1, 0
+        self._reduce_function = None
+        self._broadcast_function = default_broadcast
+        self._buffer_sync = None
+        self._step_group = None
+        # A Core that is never started: no engine, no hook, no collective.
+        self._core = Core(
+            algorithm,
+            list(self.module.named_parameters()),
+            list(self.module.named_buffers()),
+            None,
+            self.serial,
+            modules=list(self.module.modules()),
+            broadcast_buffers=self.broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.optimizers = self._core.optimizers
+        self._join_hook = CoreJoinHook(self._core, self.module, weak(self._shadow_step))
+        self._finalizer = weakref.finalize(self, self._core.release)
 
     @property
     def comm_stats(self) -> dict[str, float]:
@@ -554,3 +706,79 @@ class DataParallel(nn.Module):
 
 
 _SWITCH_FIRST = "; call switch_to({saved}) first, or load with strict=False to keep only the weights"
+
+#: A wrapper's live parts, which pickling leaves out.
+_LIVE = (
+    "_core",
+    "_finalizer",
+    "_join_hook",
+    "process_group",
+    "_step_group",
+    "_buffer_sync",
+    "_reduce_function",
+    "_broadcast_function",
+    "optimizers",
+    "_warned_restored",
+)
+
+_RESTORED = (
+    "this DataParallel was restored from a pickle or a deepcopy, so it has no process group and "
+    "synchronizes nothing; wrap it again to train: unison.DataParallel(model.module, ...)."
+)
+
+
+@contextmanager
+def _raised_everywhere(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Run construction checks that may fail on some ranks only: if any rank's fails, every
+    rank raises (the failing rank its own error, the others its type and message), so none
+    is left waiting in a later collective. One small collective over ``group`` (None: none)."""
+    problem: Optional[Exception] = None
+    try:
+        yield
+    except (TypeError, ValueError, RuntimeError) as exc:  # NotImplementedError is a RuntimeError
+        problem = exc
+    if group is not None and dist.get_world_size(group) > 1:
+        mine = None if problem is None else (type(problem), str(problem))
+        for rank, theirs in enumerate(all_gather_objects(mine, group)):
+            if theirs is not None and problem is None:
+                kind, message = theirs
+                raise kind(f"on rank {rank}: {message}")
+    if problem is not None:
+        raise problem
+
+
+def _refuse_positional_device_ids(optimizer: Any) -> None:
+    """torch DDP's ``DDP(net, [rank])`` passes device_ids second, where unison takes the optimizer."""
+    if isinstance(optimizer, (list, tuple)) and any(
+        isinstance(o, (int, str, torch.device)) and not isinstance(o, bool) for o in optimizer
+    ):
+        raise TypeError(
+            f"DataParallel's second argument is the optimizer, got {optimizer!r}; pass torch DDP's "
+            "device_ids by keyword: DataParallel(module, device_ids=[...])"
+        )
+
+
+def _moved(tree: Any, device: torch.device) -> Any:
+    """Every tensor in ``tree`` on ``device`` (torch DDP moves inputs to ``device_ids[0]``)."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _without_hooks(module: nn.Module, handles: Sequence[RemovableHandle]) -> nn.Module:
+    """``module``'s tree without the forward hooks of ``handles`` (the algorithm's): each
+    submodule a shallow copy, sharing its parameters and buffers, for pickling to take."""
+    ours = {(id(h.hooks_dict_ref()), h.id) for h in handles}
+    copies: dict[int, nn.Module] = {}
+
+    def clone(m: nn.Module) -> nn.Module:
+        if id(m) not in copies:
+            c = copy.copy(m)
+            copies[id(m)] = c
+            for name in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = m.__dict__[name]
+                c.__dict__[name] = OrderedDict((k, f) for k, f in hooks.items() if (id(hooks), k) not in ours)
+            c.__dict__["_modules"] = OrderedDict(
+                (k, None if sub is None else clone(sub)) for k, sub in m.__dict__["_modules"].items()
+            )
+        return copies[id(m)]
+
+    return clone(module)

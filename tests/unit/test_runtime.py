@@ -114,8 +114,8 @@ def test_data_parallel_without_process_group_is_the_module():
     assert list(model.state_dict()) == ["weight", "bias"]
 
 
-def test_torch_ddp_arguments_warn_by_name():
-    with pytest.warns(UserWarning, match="device_ids, output_device"):
+def test_torch_ddp_device_ids_on_cpu_are_refused_as_torch_refuses_them():
+    with pytest.raises(ValueError, match="device_ids and output_device arguments only work"):
         unison.DataParallel(torch.nn.Linear(2, 2), device_ids=[0], output_device=0)
 
 

@@ -130,13 +130,16 @@ def test_recovering_runs_again_after_a_recovered_failure():
 def test_ddp_keywords_warn_at_the_caller_and_refuse_others():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ddp_keywords.check({"device_ids": [0], "static_graph": None}, stacklevel=1)
+        parsed = ddp_keywords.parse({"device_ids": [0], "static_graph": True, "dim": 1}, stacklevel=1)
     assert [str(w.message) for w in caught] == [
-        "unison.DataParallel ignores the torch DDP argument(s) device_ids: they do not apply here"
+        "unison.DataParallel ignores the torch DDP argument(s) static_graph: they do not apply here"
     ]
     assert caught[0].filename == __file__
+    assert parsed.device_ids == [0] and parsed.dim == 1 and parsed.init_sync is True
     with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) bogus"):
-        ddp_keywords.check({"bogus": 1, "dim": 0})
+        ddp_keywords.parse({"bogus": 1, "dim": 0})
+    with pytest.raises(NotImplementedError, match="mixed_precision"):
+        ddp_keywords.parse({"mixed_precision": object()})
 
 
 def test_debug_step_entries_name_what_ranks_must_agree_on():
