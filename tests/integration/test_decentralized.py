@@ -389,7 +389,8 @@ def test_bad_options_are_refused_with_what_is_allowed():
         with pytest.raises(ValueError, match="communication_interval must be a positive integer"):
             unison.algorithms.create("low_precision_decentralized", communication_interval=bad)
     with pytest.raises(
-        ValueError, match=r"allowed options: period \(alias communication_interval\), fragments, delay, hierarchical$"
+        ValueError,
+        match=r"allowed options: period \(alias communication_interval\), offload, fragments, delay, hierarchical$",
     ):
         unison.algorithms.create("low_precision_decentralized", peer_selection="ring")
 

@@ -77,6 +77,17 @@ def decode_(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out: 
     return out.mul_(scales[..., None]).add_(mins[..., None])
 
 
+def block_chunks(chunks: int, size: int) -> int:
+    """Chunks per block of ``MinMax8``'s blocked loops (``BLOCK`` values at most, one chunk at least)."""
+    return max(1, min(chunks, BLOCK // size))
+
+
+def work_numel(numel: int, rows: int = 1, chunk_size: int = 1024) -> int:
+    """The float32 values ``MinMax8(numel, rows, chunk_size)`` asks of a shared ``scratch``."""
+    chunks, size, _ = layout(numel, rows, chunk_size)
+    return 2 * block_chunks(chunks, size) * size
+
+
 def layout(numel: int, rows: int, chunk_size: int) -> tuple[int, int, int]:
     """``MinMax8``'s layout: (chunks per row, values per chunk, bytes per packed row)."""
     per_row = -(-numel // rows)
@@ -124,7 +135,7 @@ class MinMax8:
         self.device = torch.device(device)
         self._values: Optional[torch.Tensor] = None
         self._scratch = torch.empty(2, rows, self.chunks, dtype=torch.float32, device=device)
-        block = max(1, min(self.chunks, BLOCK // self.size))  # chunks per block
+        block = block_chunks(self.chunks, self.size)
         shape = (2, block, self.size)
         if scratch is None:
             self._work = torch.empty(shape, dtype=torch.float32, device=device)
@@ -206,14 +217,20 @@ class MinMax8:
         packed: torch.Tensor,
         feedback: Optional[torch.Tensor] = None,
         pad: Optional[torch.Tensor] = None,
+        minus: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Quantize the flat ``x`` (``numel`` values, any float dtype) into ``packed`` (all rows); returns ``packed``.
 
         With ``feedback`` (flat, like ``x``): ``x + feedback`` is quantized,
         and ``feedback`` becomes what quantization lost (error feedback).
+        With ``minus`` (flat, like ``x``, on any device): ``x - minus`` is quantized, block by
+        block, the same codes as ``encode(load(x, minus=minus))`` without a buffer of ``x``'s size.
         ``pad`` (default ``pad_value(x, feedback)`` now) fills the padding.
         """
         mins, scales, codes = self.parts(packed)
+        if minus is not None:
+            self._encode_difference(x, minus, mins, scales, codes)
+            return packed
         if pad is None:
             pad = self.pad_value(x, feedback)
         source = x if feedback is None else feedback
@@ -228,6 +245,39 @@ class MinMax8:
                 lost = decode_(out[2], out[0], out[1], self._work[1, :c]).view(-1)
                 feedback[start : start + real].sub_(lost[:real])
         return packed
+
+    def _encode_difference(
+        self, x: torch.Tensor, minus: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor
+    ) -> torch.Tensor:
+        """``encode_from``'s ``x - minus``: each block's difference made in the work buffer (as ``load``
+        makes it: in float32, or in ``minus``'s precision rounded to float32), padded with the last."""
+        n = self.numel
+        if n == 0:
+            return codes
+        last, sub = x[n - 1 : n], minus[n - 1 : n].to(x.device)
+        pad = (torch.sub(last, sub) if last.dtype == sub.dtype == torch.float32 else last.float().sub_(sub))[0]
+        for row, c0, c, start, real in self._blocks:
+            w = self._work[0, :c].view(-1)
+            a, b = x[start : start + real], minus[start : start + real].to(x.device, non_blocking=True)
+            if a.dtype == b.dtype == torch.float32:
+                torch.sub(a, b, out=w[:real])
+            else:
+                w[:real].copy_(a)
+                w[:real].sub_(b)
+            w[real:].fill_(pad)
+            out = (mins[row, c0 : c0 + c], scales[row, c0 : c0 + c], codes[row, c0 : c0 + c])
+            encode_(w.view(c, self.size), *out, self._scratch[:, row, c0 : c0 + c])
+        return codes
+
+    def decode_add(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Add the values ``packed`` (all rows) carries to the flat ``out`` (``numel`` values, any float
+        dtype, on any device), block by block: ``out += decode(packed)`` without a buffer of its size."""
+        mins, scales, codes = self.parts(packed)
+        for row, c0, c, start, real in self._blocks:
+            w = self._work[0, :c]
+            decode_(codes[row, c0 : c0 + c], mins[row, c0 : c0 + c], scales[row, c0 : c0 + c], w)
+            out[start : start + real].add_(w.view(-1)[:real].to(out.device, non_blocking=True))
+        return out
 
     def pad_value(self, x: torch.Tensor, feedback: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What ``encode_from`` pads with: the last value it quantizes (a 0-d tensor, a copy)."""

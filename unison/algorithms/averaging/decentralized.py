@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ...engine import comm
 from ...engine.averaging import AsyncAverage
 from ...engine.comm import Waitable
-from ...engine.flat import Flat, by_kind, split
+from ...engine.flat import by_kind, split
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
@@ -63,30 +63,40 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
-class FlatParams(Flat):
-    """The trainable parameters of one dtype and device, copied to and from one reusable flat buffer."""
+class FlatParams:
+    """The trainable parameters of one dtype and device, gathered into a flat tensor made for the
+    round (nothing is kept between rounds) and written back from one."""
 
     def __init__(self, names: list[str], params: Sequence[torch.Tensor]) -> None:
-        super().__init__(params)
         self.names, self.params = names, list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameters' values."""
+        return self.numel * self.params[0].element_size()
 
     def gather(self) -> torch.Tensor:
-        """The parameters' current values, copied into the flat buffer (which is returned)."""
-        return self.load()
+        """The parameters' current values, copied into a new flat tensor."""
+        out = self.new_flat()
+        with torch.no_grad():
+            torch._foreach_copy_(split(out, self.params), [p.detach() for p in self.params])
+        return out
 
     def scatter(self, flat: torch.Tensor) -> None:
-        """Copy ``flat`` (laid out like the buffer) into the parameters."""
+        """Copy ``flat`` (laid out like ``gather``'s) into the parameters."""
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.params], split(flat, self.params))
 
     def add_to_params(self, flat: torch.Tensor) -> None:
-        """Add ``flat`` (laid out like the buffer) to the parameters."""
+        """Add ``flat`` (laid out like ``gather``'s) to the parameters."""
         with torch.no_grad():
             torch._foreach_add_([p.detach() for p in self.params], split(flat, self.params))
 
     def new_flat(self) -> torch.Tensor:
-        """A new flat tensor shaped and typed like the buffer."""
-        return torch.empty_like(self.flat)
+        """A new flat tensor shaped and typed like ``gather``'s."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``flat`` cut per parameter, cloned, keyed by parameter name (for a state dict)."""
@@ -153,8 +163,8 @@ PEER_SELECTIONS = ("all", "shift_one", "ring")
 
 class DecentralizedState(StreamedState):
     """The step count (it decides the rounds and their pairings), the private group, the
-    fragments (for the point-to-point rounds, their flat buffers and receive buffers) and
-    the rounds in flight."""
+    fragments (for the point-to-point rounds, their parameters by kind; the buffers of a round
+    are made at its launch and dropped at its merge) and the rounds in flight."""
 
     __slots__ = ("group", "fragments", "flats", "recv")
 
@@ -167,8 +177,8 @@ class DecentralizedState(StreamedState):
         super().__init__(count)
         self.group = group  # None alone: nothing to mix
         self.fragments = fragments or []  # per fragment, its parameters (or pieces of them)
-        self.flats: list[list[FlatParams]] = []  # point to point: per fragment, one flat buffer per dtype and device
-        self.recv: list[list[list[torch.Tensor]]] = []  # per fragment and flat buffer, one receive buffer per peer
+        self.flats: list[list[FlatParams]] = []  # point to point: per fragment, its parameters by dtype and device
+        self.recv: list[list[list[torch.Tensor]]] = []  # hierarchical point to point: per fragment and kind, per peer
 
 
 class Decentralized(Streamed[DecentralizedState]):
@@ -227,10 +237,8 @@ class Decentralized(Streamed[DecentralizedState]):
                 f"decentralized with peer_selection='shift_one' pairs the ranks, so it needs an even world size, "
                 f"got {world}; use peer_selection='ring' or 'all'"
             )
-        elif self.peer_selection != "all":
-            peers = len(self._peers(replica.rank, replica.world_size, 0))
+        elif self.peer_selection != "all":  # buffers made at each launch, dropped at its merge
             state.flats = [flat_params_of(f) for f in fragments]
-            state.recv = [[[fl.new_flat() for _ in range(peers)] for fl in flats] for flats in state.flats]
         self.stream(replica, state, len(fragments))
         return state
 
@@ -258,14 +266,16 @@ class Decentralized(Streamed[DecentralizedState]):
             return pending, at_launch
         peers = self._peers(replica.rank, replica.world_size, (state.count.steps - 1) // self.period)
         sends, recvs, first = [], [], sum(len(flats) for flats in state.flats[:f])
-        for tag, (fl, bufs) in enumerate(zip(state.flats[f], state.recv[f]), start=first):
+        inboxes, at_launch = [], []
+        for tag, fl in enumerate(state.flats[f], start=first):
             mine = fl.gather()  # stays untouched until the merge: the weights at launch
+            bufs = [fl.new_flat() for _ in peers]
             sends += [(mine, peer, tag) for peer in peers]
             recvs += [(buf, peer, tag) for buf, peer in zip(bufs, peers)]
             state.bytes_sent += fl.nbytes * len(peers)
-        return Received(exchange(sends, recvs, state.group, wait=False), state.recv[f]), [
-            fl.flat for fl in state.flats[f]
-        ]
+            inboxes.append(bufs)
+            at_launch.append(mine)
+        return Received(exchange(sends, recvs, state.group, wait=False), inboxes), at_launch
 
     def _node_round(
         self, state: DecentralizedState, levels: TwoLevel, f: int, values: list[torch.Tensor], round_index: int

@@ -16,15 +16,19 @@ See docs/algorithms.md#diloco.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from functools import partial
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...engine.averaging import average_async
+from ...engine.averaging import CHUNK_BYTES, average_async
 from ...engine.codecs import WIRE_DTYPES
-from ...engine.comm import Finished, Waitable
+from ...engine.comm import Finished, Waitable, chunks, ring_bytes, start
+from ...engine.comm import wait as comm_wait
+from ...engine.flat import split
+from ...engine.offload import keep, pieces
 from ...replica import Replica
 from .. import options
 from ..schedules import StepCount
@@ -33,7 +37,8 @@ from ..streaming import Stagger, Streamed, StreamedState, default_schedule, frag
 
 class DiLoCoState(StreamedState):
     """The outer optimizer and the snapshot it steps (the reference weights, one piece per
-    fragment's share of a parameter), the step count, and the syncs in flight."""
+    fragment's share of a parameter; on the host with ``offload``), the step count, and the
+    syncs in flight."""
 
     __slots__ = ("names", "params", "buffers", "snapshot", "outer", "group", "fragments", "feedback")
 
@@ -44,6 +49,7 @@ class DiLoCoState(StreamedState):
         buffers: list[torch.Tensor],
         outer: dict[str, Any],
         group: Optional[dist.ProcessGroup],
+        offload: bool = False,
     ) -> None:
         super().__init__(count)
         pieces = [piece for fragment in fragments for piece in fragment]
@@ -56,7 +62,7 @@ class DiLoCoState(StreamedState):
             first += len(fragment)
         self.buffers = buffers  # floating-point buffers, averaged with the last fragment's pseudo-gradient
         with torch.no_grad():  # detached copies: the outer and inner optimizers' gradients never meet
-            self.snapshot = [nn.Parameter(p.detach().clone()) for p in self.params]
+            self.snapshot = [nn.Parameter(keep(p, offload)) for p in self.params]  # offload: on the host
         self.outer = torch.optim.SGD(self.snapshot, **outer)
         self.group = group  # None: one process, the average is the replica itself
         self.feedback: dict[int, torch.Tensor] = {}  # int8 wire: per fragment, the quantization error carried
@@ -114,6 +120,13 @@ class DiLoCo(Streamed[DiLoCoState]):
             (the paper's alpha); None keeps the local steps taken meanwhile instead
             (``outer + local - local_at_launch``).
         overlap: the classic schedule with ``delay=1`` (one fragment unless given).
+        offload: keep the global weights, the outer momentum and the weights at launch in host
+            memory (pinned with CUDA), moved to the parameters' device piece by piece at a sync;
+            the outer step runs on the host. Nothing changes on CPU.
+
+    Memory: the global weights and the outer momentum (+2 P, none of it on the device with
+    ``offload``), and while a fragment's sync travels its wire buffer and (``delay`` > 0, no
+    ``mixing``) its weights at launch.
 
     Example::
 
@@ -133,6 +146,7 @@ class DiLoCo(Streamed[DiLoCoState]):
     wire_dtype: Literal["fp32", "bf16", "fp16", "int8"] = "fp32"
     mixing: Optional[float] = None
     overlap: bool = False
+    offload: bool = False
 
     def __post_init__(self) -> None:
         options.integer("period", self.period)
@@ -142,6 +156,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         options.choice("wire_dtype", self.wire_dtype, (*WIRE_DTYPES, "int8"))
         options.number("mixing", self.mixing, 0.0, open_low=False, high=1.0, optional=True)
         options.boolean("overlap", self.overlap)
+        options.boolean("offload", self.offload)
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0; set nesterov=False for plain outer SGD")
         super().__post_init__()
@@ -165,7 +180,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         group = replica.private_group("diloco") if replica.distributed else None
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.nesterov}
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
-        state = DiLoCoState(StepCount(self.period), fragments, buffers, outer, group)
+        state = DiLoCoState(StepCount(self.period), fragments, buffers, outer, group, self.offload)
         if group is not None:
             self.use_nodes(replica, state, [sum(self._tensors(state, f), []) for f in range(len(fragments))])
         self.stream(replica, state, len(state.fragments))
@@ -184,12 +199,18 @@ class DiLoCo(Streamed[DiLoCoState]):
         f = fragment
         params, buffers = self._tensors(state, f)
         with torch.no_grad():
-            tensors = [state.snapshot[i] - p for i, p in zip(state.fragments[f], params)] + buffers
-            keep = state.late and self.mixing is None
-            at_launch = [t.detach().clone() for t in params + buffers] if keep else None
+            kept = state.late and self.mixing is None
+            at_launch = [keep(t, self.offload) for t in params + buffers] if kept else None
             pending: Waitable
+            if state.group is not None and not self.int8 and state.levels is None:  # made in the wire buffers
+                pending = WrittenAverage(
+                    params + buffers, partial(self._fill, state, f, len(params)), state.group, self.wire
+                )
+                state.bytes_sent += pending.wire_bytes
+                return pending, at_launch
+            tensors = self._pseudo_gradients(state, f, params) + buffers
             if state.group is None:
-                pending = Finished([t.detach().clone() for t in tensors])
+                pending = Finished(tensors[: len(params)] + [b.detach().clone() for b in buffers])
             else:
                 levels = state.levels  # hierarchical: the feedback of this rank's shards
                 whole = levels.shards_numel(state.node_flats[f]) if levels else sum(t.numel() for t in tensors)
@@ -207,22 +228,96 @@ class DiLoCo(Streamed[DiLoCoState]):
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch
 
+    def _fill(self, state: DiLoCoState, f: int, count: int, i: int, out: torch.Tensor) -> None:
+        """Write the ``i``-th value fragment ``f`` sends into ``out``: a pseudo-gradient (the first
+        ``count``: snapshot - parameter, piece by piece when the snapshot is offloaded) or a buffer."""
+        params, buffers = self._tensors(state, f)
+        if i >= count:
+            out.copy_(buffers[i - count])
+            return
+        s, p = state.snapshot[state.fragments[f][i]].detach(), params[i].detach()
+        if s.device == p.device:
+            torch.sub(s, p, out=out)
+            return
+        flat_out, flat_s, flat_p = out.view(-1), s.reshape(-1), p.reshape(-1)
+        for part in pieces(flat_out.numel(), flat_out.element_size()):
+            flat_out[part].copy_(flat_s[part], non_blocking=True).sub_(flat_p[part])
+
+    def _pseudo_gradients(self, state: DiLoCoState, f: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fragment ``f``'s snapshot - parameters, new tensors on the parameters' device."""
+        out = [torch.empty_like(p) for p in params]
+        for i, o in enumerate(out):
+            self._fill(state, f, len(params), i, o)
+        return out
+
     def merge(self, replica: Replica, state: DiLoCoState, fragment: int, result: Any, extra: Any) -> None:
         """Step the outer optimizer on ``fragment``'s averaged pseudo-gradient and write the result into the model."""
         f, averaged, at_launch = fragment, result, extra
         params, buffers = self._tensors(state, f)
         snapshot = [state.snapshot[i] for i in state.fragments[f]]
         for s, g in zip(snapshot, averaged):
-            s.grad = g
+            s.grad = g.to(s.device)  # offloaded: the outer step runs on the host
         state.outer.step()  # steps only the pieces with a gradient: this fragment's
         with torch.no_grad():
             for s in snapshot:
                 s.grad = None
             targets = [s.detach() for s in snapshot] + averaged[len(params) :]
             for t, new, old in zip(params + buffers, targets, at_launch or targets):
-                if at_launch is not None:  # keep the local steps taken while the average travelled
-                    t.add_(new - old)
-                elif state.late and self.mixing is not None:
-                    t.mul_(self.mixing).add_(new, alpha=1 - self.mixing)
-                else:
-                    t.copy_(new)
+                for t_, new_, old_ in _pieces_on(t, new, old):
+                    if at_launch is not None:  # keep the local steps taken while the average travelled
+                        t_.add_(new_ - old_)
+                    elif state.late and self.mixing is not None:
+                        t_.mul_(self.mixing).add_(new_, alpha=1 - self.mixing)
+                    else:
+                        t_.copy_(new_)
+
+
+def _pieces_on(
+    t: torch.Tensor, new: torch.Tensor, old: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(t, new, old)`` whole when all three live on ``t``'s device; else (offloaded copies) flat
+    pieces of at most ``engine.offload.PIECE_BYTES``, ``new`` and ``old`` moved to ``t``'s device."""
+    if new.device == t.device and old.device == t.device or not t.is_contiguous():
+        yield t, new.to(t.device), old.to(t.device)
+        return
+    flat_t, flat_new, flat_old = t.view(-1), new.reshape(-1), old.reshape(-1)
+    for part in pieces(flat_t.numel(), flat_t.element_size()):
+        yield flat_t[part], flat_new[part].to(t.device), flat_old[part].to(t.device)
+
+
+class WrittenAverage:
+    """The average over ``group`` of values written straight into the wire buffers (one per chunk of
+    ``like``, chunked as ``AsyncAverage`` chunks), launched at construction: only the wire is held
+    while it travels. ``fill(i, out)`` writes the ``i``-th value (shaped like ``like[i]``) into ``out``;
+    ``wait()`` gives the averages (views of the wire, cast back) in the order of ``like``."""
+
+    def __init__(
+        self,
+        like: Sequence[torch.Tensor],
+        fill: Callable[[int, torch.Tensor], None],
+        group: Optional[dist.ProcessGroup],
+        wire_dtype: Union[torch.dtype, str, None] = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        world, index = dist.get_world_size(group), {id(t): i for i, t in enumerate(like)}
+        self._parts: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        self._order = [id(t) for t in like]
+        self.wire_bytes = 0
+        for chunk in chunks(list(like), chunk_bytes):
+            flat = torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
+            for t, view in zip(chunk, split(flat, chunk)):
+                fill(index[id(t)], view)
+            cast = isinstance(wire_dtype, torch.dtype) and flat.is_floating_point()
+            wire = flat.to(wire_dtype) if cast else flat
+            del flat  # cast: only the wire copy travels
+            wire.div_(world)
+            self._parts.append((chunk, wire, start(dist.all_reduce, wire, group=group)))
+            self.wire_bytes += ring_bytes(wire.numel() * wire.element_size(), world)
+
+    def wait(self) -> list[torch.Tensor]:
+        by_id = {}
+        for chunk, wire, work in self._parts:
+            comm_wait(work)
+            for t, value in zip(chunk, split(wire, chunk)):
+                by_id[id(t)] = value.to(t.dtype)
+        return [by_id[i] for i in self._order]

@@ -15,15 +15,16 @@ See docs/algorithms.md#low_precision_decentralized.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ...engine.codecs import MinMax8
+from ...engine.codecs import MinMax8, work_numel
 from ...engine.comm import Waitable
 from ...engine.flat import Flat, Flats
 from ...engine.hierarchy import TwoLevel
+from ...engine.offload import keep, pieces
 from ...replica import Replica
 from .. import options
 from ..schedules import StepCount
@@ -36,41 +37,92 @@ CHUNK_SIZE = 1024
 
 
 class Copies:
-    """One flat group's public copy, neighbour replicas, codec and message buffers."""
+    """One flat group's public copy and neighbour replicas (what Bagua's algorithm keeps, one
+    each), and its codec. A round's weights at launch and messages are made at its launch and
+    dropped at its merge; the codec's work buffer is shared (``scratch``: rounds encode and decode
+    one at a time). With ``offload`` the copies live on the host, moved piece by piece at a sync.
+    """
 
-    def __init__(self, flat: FlatParams, neighbours: list[int]) -> None:
+    def __init__(
+        self, flat: FlatParams, neighbours: list[int], scratch: Callable[[int], torch.Tensor], offload: bool = False
+    ) -> None:
         self.flat = flat
-        self.hold(flat.gather(), neighbours)
+        self.hold(flat.gather(), neighbours, scratch, offload)
 
-    def hold(self, start: torch.Tensor, neighbours: list[int]) -> None:
-        """Public copy and neighbour replicas equal to ``start``; the codec and buffers for its size."""
-        self.public = start.clone()
-        self.replicas = [start.clone() for _ in neighbours]
-        self.codec = MinMax8(start.numel(), chunk_size=CHUNK_SIZE, device=start.device)
-        self.send = self.codec.empty()
-        self.received = [self.codec.empty() for _ in neighbours]
-        self.mix = torch.empty_like(start)
+    def hold(
+        self, start: torch.Tensor, neighbours: list[int], scratch: Callable[[int], torch.Tensor], offload: bool
+    ) -> None:
+        """Public copy and neighbour replicas equal to ``start``; the codec for its size."""
+        self.public = keep(start, offload)
+        self.replicas = [keep(start, offload) for _ in neighbours]
+        self.codec = MinMax8(start.numel(), chunk_size=CHUNK_SIZE, device=start.device, scratch=scratch)
 
-    def decoded(self, message: torch.Tensor) -> torch.Tensor:
-        """The difference ``message`` carries (a view of the codec's buffer, valid until the next call)."""
-        return self.codec.decode(message).view(-1)[: self.public.numel()]
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """A new message carrying ``Q(x - public)`` (``x`` flat, on the codec's device)."""
+        return self.codec.encode_from(x, self.codec.empty(), minus=self.public)
+
+    def inboxes(self, count: int) -> list[torch.Tensor]:
+        """New buffers for ``count`` neighbours' messages."""
+        return [self.codec.empty() for _ in range(count)]
+
+    def apply(self, sent: torch.Tensor, received: list[torch.Tensor]) -> None:
+        """Add the difference ``sent`` carries to the public copy, each received one to its replica."""
+        self.codec.decode_add(sent, self.public)
+        for copy, message in zip(self.replicas, received):
+            self.codec.decode_add(message, copy)
+
+    def mix_into(self, out: torch.Tensor, late: bool = False) -> torch.Tensor:
+        """``out`` becomes the average of the public copy and the replicas (``late``: that average
+        less ``out``, the weights at launch), piece by piece; returns ``out``."""
+        count = len(self.replicas) + 1
+        for part in pieces(out.numel(), out.element_size()):
+            mix = torch.empty_like(out[part]) if late else out[part]
+            mix.copy_(self.public[part])
+            for copy in self.replicas:
+                mix.add_(copy[part].to(mix.device, non_blocking=True))
+            mix.div_(count)
+            if late:
+                out[part].copy_(mix.sub_(out[part]))
+        return out
 
     def mixed(self) -> torch.Tensor:
-        """The average of the public copy and the replicas, in ``mix``."""
-        self.mix.copy_(self.public)
-        for copy in self.replicas:
-            self.mix.add_(copy)
-        return self.mix.div_(len(self.replicas) + 1)
+        """The average of the public copy and the replicas, in a new tensor on the codec's device."""
+        return self.mix_into(torch.empty(self.public.shape, dtype=self.public.dtype, device=self.codec.device))
+
+    def resend(self, peers: list[int], tag: int, group: Optional[dist.ProcessGroup]) -> int:
+        """Overwrite the replicas with the neighbours' public copies, sent in full precision (through
+        the codec's device when offloaded); returns the bytes sent."""
+        device = self.codec.device
+        public = self.public.to(device)
+        inbox = [r if r.device == device else torch.empty_like(r, device=device) for r in self.replicas]
+        exchange([(public, peer, tag) for peer in peers], list(zip(inbox, peers, [tag] * len(peers))), group)
+        for replica, received in zip(self.replicas, inbox):
+            if received is not replica:
+                replica.copy_(received)
+        return public.numel() * public.element_size() * len(peers)
+
+
+def shared_scratch(numels: list[int], device: torch.device) -> Callable[[int], torch.Tensor]:
+    """One float32 work buffer for codecs of ``numels`` values run one at a time (``MinMax8(scratch=)``)."""
+    work = torch.empty(max([work_numel(n, 1, CHUNK_SIZE) for n in numels] or [0]), dtype=torch.float32, device=device)
+    return lambda n: work
 
 
 class ShardCopies(Copies):
     """The copies of this local rank's shard of one kind of a fragment (the weights are equal on
     every replica when it is built, so the shard of the node's mean is the shard of the weights)."""
 
-    def __init__(self, levels: TwoLevel, part: Flat, neighbours: list[int]) -> None:
+    def __init__(
+        self,
+        levels: TwoLevel,
+        part: Flat,
+        neighbours: list[int],
+        scratch: Callable[[int], torch.Tensor],
+        offload: bool = False,
+    ) -> None:
         start, end = levels.shard(levels.bounds(part.flat.numel()))
         part.load()
-        self.hold(part.flat[start:end], neighbours)
+        self.hold(part.flat[start:end], neighbours, scratch, offload)
 
 
 class NodeCopies:
@@ -79,12 +131,18 @@ class NodeCopies:
     Args:
         levels: the two levels (their thread runs the rounds).
         flats: per fragment, its parameters' buffers on them.
+        offload: keep the copies on the host.
     """
 
-    def __init__(self, levels: TwoLevel, flats: list[Flats]) -> None:
+    def __init__(self, levels: TwoLevel, flats: list[Flats], offload: bool = False) -> None:
         self.levels, self.flats, self.neighbours = levels, flats, ring_neighbours(levels.node, levels.nodes)
         self.layout = [levels.nodes, levels.local_size, levels.local_rank]
-        self.copies = [[ShardCopies(levels, part, self.neighbours) for part in f.parts] for f in flats]
+        bounds = [levels.shard(levels.bounds(part.flat.numel())) for f in flats for part in f.parts]
+        device = flats[0].parts[0].flat.device if flats else torch.device("cpu")
+        scratch = shared_scratch([end - start for start, end in bounds], device)
+        self.copies = [
+            [ShardCopies(levels, part, self.neighbours, scratch, offload) for part in f.parts] for f in flats
+        ]
         self.refresh = False  # the next round first resends the public copies in full precision
 
     def launch(self, meter: State, f: int, values: list[torch.Tensor]) -> Any:
@@ -95,27 +153,22 @@ class NodeCopies:
         levels = self.levels
         if self.refresh:
             self._refresh()
-        sends, recvs, peers = [], [], self.neighbours
+        sends, recvs, peers, messages = [], [], self.neighbours, []
         for tag, (c, piece) in enumerate(zip(self.copies[f], levels.mean_shards(self.flats[f], values))):
-            c.codec.encode(c.codec.load(piece, minus=c.public), c.send)
-            sends += [(c.send, peer, tag) for peer in peers]
-            recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
+            send, received = c.encode(piece), c.inboxes(len(peers))
+            sends += [(send, peer, tag) for peer in peers]
+            recvs += [(buf, peer, tag) for buf, peer in zip(received, peers)]
+            messages.append((send, received))
             levels.inter_bytes += c.codec.nbytes * len(peers)
         exchange(sends, recvs, levels.inter)
-        for c in self.copies[f]:
-            c.public.add_(c.decoded(c.send))
-            for copy, message in zip(c.replicas, c.received):
-                copy.add_(c.decoded(message))
+        for c, (send, received) in zip(self.copies[f], messages):
+            c.apply(send, received)
         return [v.clone() for v in levels.join_shards(self.flats[f], [c.mixed() for c in self.copies[f]])]
 
     def _refresh(self) -> None:
         """Overwrite the replicas with the neighbour nodes' public copies, sent in full precision."""
-        sends, recvs = [], []
         for tag, c in enumerate(c for fragment in self.copies for c in fragment):
-            sends += [(c.public, peer, tag) for peer in self.neighbours]
-            recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, self.neighbours)]
-            self.levels.inter_bytes += c.public.numel() * c.public.element_size() * len(self.neighbours)
-        exchange(sends, recvs, self.levels.inter)
+            self.levels.inter_bytes += c.resend(self.neighbours, tag, self.levels.inter)
         self.refresh = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -213,10 +266,16 @@ class LowPrecisionState(StreamedState):
 class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     """Ring gossip of 8-bit compressed weight differences with neighbour replicas (Bagua's algorithm).
 
+    Memory: the public copy and one replica per distinct ring neighbour (+2 P with two ranks,
+    +3 P on a ring of three or more, as Bagua's), and while a round travels its weights at launch
+    and 8-bit messages (a fragment's). ``offload=True`` keeps the copies on the host.
+
     Args:
         period: optimizer steps between two rounds (1: every step); alias
             ``communication_interval`` (Bagua's name).
         fragments, delay, hierarchical: see ``streaming.Streamed`` (hierarchical: the ring is of nodes).
+        offload: keep the public copy and the replicas in host memory (pinned with CUDA), moved
+            to the parameters' device piece by piece at a round; nothing changes on CPU.
 
     Example::
 
@@ -229,9 +288,11 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     needs_optimizers = True
     loads_everywhere = True  # a load makes the next round resend in full: under a heal, every member loads
     period: int = 16
+    offload: bool = False
 
     def __post_init__(self) -> None:
         options.integer("period", self.period)
+        options.boolean("offload", self.offload)
         super().__post_init__()
 
     def setup(self, replica: Replica) -> LowPrecisionState:
@@ -240,19 +301,25 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         if not replica.distributed:
             return LowPrecisionState(count, replica.rank)
         state = LowPrecisionState(count, replica.rank, replica.private_group(self.name))
-        pieces = [[p for _, p in f] for f in fragments_of(replica.trainable, self.schedule().fragments)]
-        self.use_nodes(replica, state, pieces)
+        parts = [[p for _, p in f] for f in fragments_of(replica.trainable, self.schedule().fragments)]
+        self.use_nodes(replica, state, parts)
         if state.levels is not None:
-            state.node_copies = NodeCopies(state.levels, state.node_flats)
-            self.stream(replica, state, len(pieces))
+            state.node_copies = NodeCopies(state.levels, state.node_flats, self.offload)
+            self.stream(replica, state, len(parts))
             return state
         neighbours = ring_neighbours(replica.rank, replica.world_size)
+        flats_by_fragment = [
+            flat_params_of(piece) for piece in fragments_of(replica.trainable, self.schedule().fragments)
+        ]
+        by_device: dict[torch.device, list[int]] = {}
+        for fl in (fl for flats in flats_by_fragment for fl in flats):
+            by_device.setdefault(fl.device, []).append(fl.numel)
+        scratch = {device: shared_scratch(numels, device) for device, numels in by_device.items()}
         copies: list[Copies] = []
         fragments: list[list[int]] = []
-        for piece in fragments_of(replica.trainable, self.schedule().fragments):
-            flats = flat_params_of(piece)
+        for flats in flats_by_fragment:
             fragments.append(list(range(len(copies), len(copies) + len(flats))))
-            copies += [Copies(f, neighbours) for f in flats]
+            copies += [Copies(f, neighbours, scratch[f.device], self.offload) for f in flats]
         state.neighbours, state.copies, state.fragments = neighbours, copies, fragments
         self.stream(replica, state, len(fragments))
         return state
@@ -267,16 +334,17 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
         if state.refresh:
             self._refresh_replicas(state)
         sends, recvs, peers = [], [], state.neighbours
+        messages, at_launch = [], []
         for tag in state.fragments[f]:
             c = state.copies[tag]
-            c.codec.encode(c.codec.load(c.flat.gather(), minus=c.public), c.send)  # c.flat.flat: the weights at launch
-            sends += [(c.send, peer, tag) for peer in peers]
-            recvs += [(buf, peer, tag) for buf, peer in zip(c.received, peers)]
+            x0 = c.flat.gather()  # the weights at launch, kept until the merge
+            send, received = c.encode(x0), c.inboxes(len(peers))
+            sends += [(send, peer, tag) for peer in peers]
+            recvs += [(buf, peer, tag) for buf, peer in zip(received, peers)]
             state.bytes_sent += c.codec.nbytes * len(peers)
-        copies = [state.copies[tag] for tag in state.fragments[f]]
-        return Received(exchange(sends, recvs, state.group, wait=False), [[c.send, *c.received] for c in copies]), [
-            c.flat.flat for c in copies
-        ]
+            messages.append([send, *received])
+            at_launch.append(x0)
+        return Received(exchange(sends, recvs, state.group, wait=False), messages), at_launch
 
     def merge(self, replica: Replica, state: LowPrecisionState, fragment: int, result: Any, extra: Any) -> None:
         """Apply the differences to the copies, then mix (adding the change to the weights when late)."""
@@ -286,21 +354,15 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
             return
         for tag, (sent, *received), x0 in zip(state.fragments[f], messages, at_launch):
             c = state.copies[tag]
-            c.public.add_(c.decoded(sent))
-            for copy, message in zip(c.replicas, received):
-                copy.add_(c.decoded(message))
-            c.mixed()
+            c.apply(sent, received)
+            c.mix_into(x0, late=state.late)  # the mix, or (late) the change it makes to the weights at launch
             if state.late:
-                c.flat.add_to_params(c.mix.sub_(x0))
+                c.flat.add_to_params(x0)
             else:
-                c.flat.scatter(c.mix)
+                c.flat.scatter(x0)
 
     def _refresh_replicas(self, state: LowPrecisionState) -> None:
         """Overwrite the replicas with the neighbours' public copies, sent in full precision."""
-        sends, recvs = [], []
         for tag, c in enumerate(state.copies):
-            sends += [(c.public, peer, tag) for peer in state.neighbours]
-            recvs += [(replica, peer, tag) for replica, peer in zip(c.replicas, state.neighbours)]
-            state.bytes_sent += c.flat.nbytes * len(state.neighbours)
-        exchange(sends, recvs, state.group)
+            state.bytes_sent += c.resend(state.neighbours, tag, state.group)
         state.refresh = False
