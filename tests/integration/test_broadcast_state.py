@@ -46,3 +46,15 @@ def test_every_rank_gets_the_source_state_bit_for_bit_with_its_metadata():
         assert outcome["rest"] == (0.1, 7)
         assert outcome["own_memory"]  # not a view that keeps the whole payload alive
         assert outcome["writable"] == 4.5
+
+
+def _receive_in_small_pieces() -> dict:
+    import unison.engine.comm as comm
+
+    comm.STAGING_BYTES = 100  # the raw bytes go in pieces of 100 bytes, across every tensor's bounds
+    return _receive()
+
+
+def test_the_state_is_streamed_in_pieces_bit_for_bit():
+    for outcome in run(_receive_in_small_pieces, 3):
+        assert outcome["equal"] and outcome["own_memory"] and outcome["rest"] == (0.1, 7)

@@ -37,14 +37,22 @@ BUDGET = {
     "bytegrad:error_feedback=True": 1.12,
     "powersgd:rank=2,start_iter=2": 1.1,
     "decentralized": 1.1,
+    "decentralized:peer_selection=ring": 0.52,  # no copy between rounds; in flight: a fragment's weights and message
     "diloco:period=4": 2.1,
-    # Above the issue's budgets (measured 1.0, 1.0, 7.25 and 2.5 P): held where they are so a regression
-    # still fails. local_sgd and async keep the gradient buckets (1 P) once gradients are no longer
-    # averaged; low_precision_decentralized its public copy, two neighbour replicas, a mix buffer and
-    # codec buffers per fragment (issue: 2 P); DASO is not in the issue's table.
+    "diloco": 2.27,  # streamed: a fragment's wire buffer and weights at launch in flight (2 of 4 fragments stepped)
+    "diloco:offload=True": 2.27,  # on CPU offload is a no-op: the same copies
+    # The public copy and the one neighbour replica of two ranks (2 P), a fragment's weights at launch and
+    # messages in flight (0.25 + 0.13 P), and the codecs' shared work buffer: 2 MiB whatever the model,
+    # 0.5 P of this 4 MiB model (0.02 P of the bench's).
+    "low_precision_decentralized": 2.9,
+    "low_precision_decentralized:offload=True": 2.9,
+    # Above the issue's budgets (measured 1.0, 1.0 and 1.5 P): held where they are so a regression still
+    # fails. local_sgd and async keep the gradient buckets (1 P) once gradients are no longer averaged:
+    # the reducer allocates them at construction and never frees them (engine/reducer.py, another
+    # change); DASO is not in the issue's table (its anchor, 1 P, its bf16 wire buffer, 0.5 P, kept between
+    # syncs, and 1 P not yet accounted for).
     "local_sgd:period=4": 1.02,  # issue: 0.1
     "async:warmup_steps=2": 1.02,  # issue: 0.1
-    "low_precision_decentralized": 7.3,  # issue: 2.0
     "daso:warmup_epochs=0": 2.55,
 }
 
@@ -106,3 +114,33 @@ def measured():
 @pytest.mark.parametrize("spec", list(BUDGET))
 def test_memory_within_budget(measured, spec):
     assert measured[spec] <= BUDGET[spec], f"{spec} keeps {measured[spec]:.3f} P beyond local training"
+
+
+def offloaded_equal(specs: list[str]) -> dict[str, bool]:
+    """Whether ``spec`` and ``spec,offload=True`` train to the same weights, bit for bit."""
+    out = {}
+    for spec in specs:
+        weights = []
+        for extra in ("", ",offload=True"):
+            rank = dist.get_rank()
+            g = torch.Generator().manual_seed(rank)
+            x, y = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+            module = net()
+            opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+            model = unison.DataParallel(module, optimizer=opt, algorithm=spec + extra, bucket_cap_mb=BUCKET_MB)
+            for _ in range(STEPS):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            model.average()
+            weights.append([p.detach().clone() for p in module.parameters()])
+            model.close()
+        out[spec] = all(torch.equal(a, b) for a, b in zip(*weights))
+    return out
+
+
+def test_offload_gives_the_same_results():
+    specs = ["diloco:period=4", "diloco:period=8,fragments=4,delay=1", "low_precision_decentralized:period=2"]
+    results = launch.run(offloaded_equal, 2, specs, timeout=300)
+    for rank_result in results:
+        assert all(rank_result.values()), rank_result

@@ -229,43 +229,85 @@ class _TensorsApart(pickle.Pickler):
 
 
 class _TensorsFrom(pickle.Unpickler):
-    def __init__(self, file: Any, data: torch.Tensor) -> None:
+    """Unpickles ``_TensorsApart``'s skeleton, each tensor made empty in its own memory and listed
+    (``segments``: its offset in the raw stream, its bytes) for the stream to fill."""
+
+    def __init__(self, file: Any) -> None:
         super().__init__(file)
-        self.data = data
+        self.segments: list[tuple[int, torch.Tensor]] = []
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         offset, size, dtype, shape = pid
-        return self.data[offset : offset + size].view(dtype).view(shape).clone()  # its own memory
+        t = torch.empty(shape, dtype=dtype)
+        self.segments.append((offset, t.reshape(-1).view(torch.uint8)))
+        return t
+
+
+def _stream(segments: list[tuple[int, torch.Tensor]], total: int, group: Any, src: int, sending: bool) -> None:
+    """Broadcast the ``total`` raw bytes that ``segments`` (offset, uint8 tensor; in order) lay out,
+    one staging piece of at most ``STAGING_BYTES`` at a time: the source copies its segments in,
+    the receivers copy theirs out (never a buffer of the whole state)."""
+    if total == 0:
+        return
+    staging = torch.zeros(min(STAGING_BYTES, total), dtype=torch.uint8)
+    first = 0
+    for begin in range(0, total, staging.numel()):
+        end = min(total, begin + staging.numel())
+        piece = staging[: end - begin]
+        overlapping = []
+        for j in range(first, len(segments)):
+            offset, t = segments[j]
+            if offset >= end:
+                break
+            lo, hi = max(offset, begin), min(offset + t.numel(), end)
+            if lo < hi:
+                overlapping.append((t[lo - offset : hi - offset], piece[lo - begin : hi - begin]))
+            if offset + t.numel() <= end:
+                first = j + 1
+        if sending:
+            for part, into in overlapping:
+                into.copy_(part)
+        wait(start(dist.broadcast, piece, src=src_rank(group, src), group=group))
+        if not sending:
+            for part, out in overlapping:
+                part.copy_(out)
 
 
 def broadcast_state(obj: Any, group: Optional[dist.ProcessGroup] = None, src: int = 0) -> Any:
-    """Group rank ``src``'s ``obj`` on every rank, its CPU tensors sent as one raw buffer.
+    """Group rank ``src``'s ``obj`` on every rank, its CPU tensors' bytes sent raw, streamed.
 
-    Like ``broadcast_object`` but for big states (a heal): the tensors are not pickled, only
-    copied once into one flat buffer on ``src``, and out of it on the receivers. Three
-    collectives: the sizes, the pickled rest, the tensors' bytes.
+    Like ``broadcast_object`` but for big states (a heal): the tensors are not pickled; their
+    bytes go one staging piece of at most ``STAGING_BYTES`` at a time, copied from the source's
+    tensors and into the receivers' new ones, so a heal holds no buffer of the whole state on
+    either side. Collectives: the sizes, the pickled rest, then the pieces.
     """
     sending = dist.get_rank(group) == src
-    skeleton, data = b"", torch.empty(0, dtype=torch.uint8)
+    skeleton, total = b"", 0
+    segments: list[tuple[int, torch.Tensor]] = []
     if sending:
         buffer = io.BytesIO()
         pickler = _TensorsApart(buffer)
         pickler.dump(obj)
         skeleton = buffer.getvalue()
-        data = torch.cat(pickler.tensors) if pickler.tensors else data
-    sizes = torch.tensor([len(skeleton), data.numel()], dtype=torch.int64)
+        for t in pickler.tensors:
+            segments.append((total, t))
+            total += t.numel()
+    sizes = torch.tensor([len(skeleton), total], dtype=torch.int64)
     wait(start(dist.broadcast, sizes, src=src_rank(group, src), group=group))
     head = (
         torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
         if sending
         else torch.empty(int(sizes[0]), dtype=torch.uint8)
     )
-    if not sending:
-        data = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    for t in (head, data):
-        if t.numel():
-            wait(start(dist.broadcast, t, src=src_rank(group, src), group=group))
-    return _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())), data).load()
+    if head.numel():
+        wait(start(dist.broadcast, head, src=src_rank(group, src), group=group))
+    if sending:
+        _stream(segments, total, group, src, sending)
+        return obj  # the source keeps its own (it is never the one healed)
+    loader = _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())))
+    out = loader.load()
+    _stream(loader.segments, int(sizes[1]), group, src, sending)
+    return out
 
 
 def check_same_everywhere(
