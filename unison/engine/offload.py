@@ -7,7 +7,7 @@ is available, so that copies to the GPU overlap), and a sync moves it to the
 parameters' device piece by piece (``pieces``: at most ``PIECE_BYTES`` each), so
 the GPU holds only what local training holds plus one piece. Where the
 parameters already live on the host (CPU training) offload changes nothing.
-See docs/algorithms.md#memory.
+See docs/algorithms.md#memory-and-offload.
 """
 
 from __future__ import annotations

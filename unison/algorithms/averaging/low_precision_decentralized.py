@@ -9,8 +9,8 @@ as decentralized's are (``streaming.Stagger``: ``fragments`` in turn, each
 round's messages travelling for ``delay`` steps, the local steps taken
 meanwhile kept). With ``hierarchical=True`` the node averages inside first and the
 ring is one of nodes: each local rank gossips its shard of the node's mean, with
-its own copies (``NodeCopies``).
-See docs/algorithms.md#low_precision_decentralized.
+its own copies (``NodeCopies``). ``offload=True`` keeps the copies on the host.
+See docs/algorithms.md#low_precision_decentralized and #memory-and-offload.
 """
 
 from __future__ import annotations
