@@ -52,11 +52,16 @@ def check(hook: Any) -> None:
     """torch DDP's checks of a ``hook(state, bucket)`` at registration (``_check_comm_hook``).
 
     Unlike torch, a hook whose second parameter is not named ``bucket`` is accepted
-    (torch raises ``KeyError: 'bucket'`` for it); that parameter's annotation is checked.
+    (torch raises ``KeyError: 'bucket'`` for it; that parameter's annotation is checked),
+    and annotations written as strings (``from __future__ import annotations``) are
+    read as what they name (torch compares the strings, and refuses correct ones).
     """
     if not callable(hook):
         raise TypeError("Communication hook must be callable.")
-    signature = inspect.signature(hook)
+    try:
+        signature = inspect.signature(hook, eval_str=True)
+    except Exception:  # a string annotation naming what the hook's module cannot resolve
+        signature = inspect.signature(hook)
     bucket = _bucket_parameter(signature)
     if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
         raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
