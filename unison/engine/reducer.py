@@ -56,18 +56,26 @@ class GradBucket:
 
     def __init__(self, bucket: bucketing.Bucket, last: bool):
         self._bucket, self._last = bucket, last
+        self._buffer = bucket.flat
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        return self._bucket.flat
+        return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._bucket.flat.copy_(tensor)
+        """As torch's: ``buffer()`` is ``tensor`` from now on (``fp16_compress_wrapper`` hands the
+        hook it wraps a half-precision buffer); the gradients take the Future's result."""
+        self._buffer = tensor
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._bucket.views)
+        """Each parameter's gradient: a view into ``buffer()``, as torch's."""
+        flat = self._bucket.flat
+        if self._buffer is flat:
+            return list(self._bucket.views)
+        offsets = [v.storage_offset() - flat.storage_offset() for v in self._bucket.views]
+        return [self._buffer[o : o + v.numel()].view(v.shape) for o, v in zip(offsets, self._bucket.views)]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)
