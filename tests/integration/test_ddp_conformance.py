@@ -433,7 +433,7 @@ def results():
 def test_torch_hooks_registered_by_keyword_train_the_same_weights(results):
     for r in results:
         for hook, gap in r["torch hooks"].items():
-            assert gap < 1e-5, hook
+            assert gap < 1e-6, hook  # fp16-wrapped PowerSGD works in fp16, as torch
 
 
 def test_hook_checks_raise_torch_error_types(results):
