@@ -18,7 +18,7 @@ import itertools
 import logging
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .algorithms.contract import Algorithm
+from .engine import sparse as sparse_grads
 from .engine.buckets import MB
 from .engine.comm import check_same_everywhere
 from .engine.reducer import GradReducer
@@ -90,6 +91,41 @@ def describe_entry(entry: tuple[Any, ...]) -> str:
 def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: Optional[dist.ProcessGroup]) -> None:
     """Raise on every rank, naming the ranks and the first entry that differ, unless all agree."""
     check_same_everywhere(what, entries, group, describe_entry)
+
+
+def takes_sparse_gradients(algorithm: Union[Algorithm[Any], type[Algorithm[Any]]]) -> bool:
+    """Whether ``algorithm`` accepts parameters with sparse gradients (``nn.Embedding(sparse=True)``).
+
+    The gradient engine sums those itself with a sparse allreduce, outside the
+    buckets an algorithm reduces; an algorithm whose reduction must see every
+    gradient (a compressor with error feedback, QAdam's momentum) says
+    ``sparse_gradients = False``. Model averaging never reduces gradients.
+    """
+    return bool(getattr(algorithm, "sparse_gradients", True))
+
+
+def sparse_positions(
+    trainable: Sequence[tuple[str, torch.Tensor]], modules: Iterable[nn.Module], extra: Iterable[torch.Tensor] = ()
+) -> list[int]:
+    """Positions in ``trainable`` of the parameters that get sparse gradients, decided at
+    construction as torch DDP decides (``unison.engine.sparse.expected``), plus ``extra``."""
+    ids = sparse_grads.expected(modules) | {id(p) for p in extra}
+    return [i for i, (_, p) in enumerate(trainable) if id(p) in ids]
+
+
+def check_sparse_support(algorithm: Algorithm[Any], name: str) -> None:
+    """Refuse an algorithm that cannot take sparse gradients, naming the parameter ``name``
+    and the algorithms that can."""
+    if takes_sparse_gradients(algorithm):
+        return
+    from . import algorithms  # the registry, read only to name the alternatives
+
+    able = [n for n in algorithms.names() if takes_sparse_gradients(algorithms.get(n))]
+    raise ValueError(
+        f"parameter {name!r} gets sparse gradients (nn.Embedding/nn.EmbeddingBag with sparse=True), which "
+        f"algorithm {algorithm.name!r} cannot reduce (it compresses every gradient in its buckets); algorithms "
+        f"that take sparse gradients: {', '.join(able)}. Or build the module with sparse=False"
+    )
 
 
 class FaultPolicy(Protocol):
@@ -285,11 +321,32 @@ class Core:
         return entry
 
     # ---- the gradient engine ----------------------------------------------------------
-    def build_reducer(self, group: Optional[dist.ProcessGroup], **options: Any) -> GradReducer:
-        """The gradient engine over the trainable parameters (``options``: GradReducer's). Under
-        fault tolerance it keeps each pass's local gradients, to redo an interrupted round."""
+    def build_reducer(
+        self,
+        group: Optional[dist.ProcessGroup],
+        sparse_params: Iterable[torch.Tensor] = (),
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
+        **options: Any,
+    ) -> GradReducer:
+        """The gradient engine over the trainable parameters. Under fault tolerance it keeps
+        each pass's local gradients, to redo an interrupted round.
+
+        Args:
+            group: the group gradients are averaged over (None: one replica).
+            sparse_params: parameters that get sparse gradients, besides those found in
+                the modules (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``).
+            static_graph, gradient_as_bucket_view: torch DDP's meanings (``GradReducer``).
+            options: GradReducer's other options.
+
+        Raises ValueError naming the parameter when some get sparse gradients and the
+        algorithm cannot reduce them (``sparse_gradients = False``), the same on every rank.
+        """
         self.remove_reducer()
         trainable = self.replica.trainable
+        sparse = sparse_positions(trainable, self.replica.modules, sparse_params)
+        if sparse:
+            check_sparse_support(self.algorithm, trainable[sparse[0]][0])
         self.reducer = GradReducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
@@ -298,6 +355,9 @@ class Core:
             bucket_cap_bytes=int(self.bucket_cap_mb * MB),
             tag=self.tag,
             recover=self._recover_gradients if self.fault.active else None,
+            sparse=sparse,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             **options,
         )
         return self.reducer

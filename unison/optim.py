@@ -18,7 +18,17 @@ import torch.distributed as dist
 
 from . import algorithms as algos
 from .algorithms.gradient.qadam_optimizer import QAdamOptimizer
-from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries
+from .core import (
+    ALGORITHM_KEY,
+    Core,
+    check_bucket_cap,
+    check_ranks_agree,
+    check_sparse_support,
+    membership,
+    new_tag,
+    parameter_entries,
+    sparse_positions,
+)
 from .engine.comm import default_broadcast
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
@@ -40,6 +50,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         algorithm: a gradient algorithm's name or instance ("allreduce", ...).
         process_group: the group to average over (default: the world).
         bucket_cap_mb: size of a gradient bucket in MiB.
+        sparse_params: the parameters that get sparse gradients (the weights of
+            ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True``). They
+            are summed with a sparse allreduce, outside the buckets; an optimizer
+            holding one must name it here (its gradient's layout is known only in
+            backward), and an algorithm that cannot take them (bytegrad, powersgd,
+            qadam) is refused at construction. See docs/algorithms.md#sparse-gradients.
 
     At construction every rank checks that all ranks hold the same parameter
     shapes and dtypes, and rank 0's parameter values are broadcast. It is an
@@ -63,6 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         algorithm: Union[str, algos.Algorithm] = "allreduce",
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: float = 25,
+        sparse_params: Iterable[torch.Tensor] = (),
     ) -> None:
         # Optimizer.__init__ is not called: the wrapped optimizer's state is used as it is.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -83,10 +100,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "within backward), so DistributedOptimizer cannot run it; wrap the model with unison.DataParallel instead"
             )
         self._names = _name_map(named_parameters)
+        self._sparse = list(sparse_params)
         self._passes = 0  # backward passes since the last averaged one
         self.serial = new_tag("optimizer")
         self.process_group, self.world_size, self.rank = membership(process_group, "DistributedOptimizer")
         named = self._named_params()
+        self._check_sparse(named)
         self._connect(named)
         self._core = Core(self.algorithm, named, [], self.process_group, self.serial, bucket_cap_mb=bucket_cap_mb)
         self.optimizers = self._core.optimizers
@@ -159,11 +178,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     )
         return named
 
+    def _check_sparse(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """Every sparse parameter is the optimizer's, and the algorithm takes sparse gradients."""
+        held = {id(p) for _, p in named}
+        for p in self._sparse:
+            if not isinstance(p, torch.Tensor) or id(p) not in held:
+                raise ValueError(
+                    f"sparse_params holds a {type(p).__name__} (shape {list(getattr(p, 'shape', []))}) that is not "
+                    "one of the optimizer's parameters; name only parameters the optimizer updates"
+                )
+        positions = sparse_positions(named, (), self._sparse)
+        if positions:
+            check_sparse_support(self.algorithm, named[positions[0]][0])
+
     def _connect(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Check that every rank holds the same parameters and settings, then take rank 0's values."""
         if self.process_group is None:
             return
         entries = parameter_entries(named)
+        sparse = {id(p) for p in self._sparse}
+        entries += [("setting", "sparse parameter", n) for n, p in named if id(p) in sparse]
         entries += [
             ("setting", "algorithm", self.algorithm.describe()),
             ("setting", "backward_passes_per_step", self.backward_passes_per_step),
@@ -180,7 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._core.replica.named_parameters = self._named_params()
         if self.process_group is None or not self._core.replica.trainable:
             return
-        self._core.build_reducer(self.process_group, decide_sync=self._decide_sync)
+        self._core.build_reducer(self.process_group, sparse_params=self._sparse, decide_sync=self._decide_sync)
         self._passes = 0
 
     def _decide_sync(self) -> bool:

@@ -65,11 +65,14 @@ def plan(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, f
     return result
 
 
-def build(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: list[list[int]]) -> list[Bucket]:
+def build(
+    params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: list[list[int]], adopt: bool = True
+) -> list[Bucket]:
     """Allocate a flat buffer per group and make each parameter's grad a view of it.
 
     Existing gradients are copied in; parameters without one keep ``grad=None``
-    until their first gradient arrives.
+    until their first gradient arrives. With ``adopt=False`` gradients keep their
+    own tensors (``gradient_as_bucket_view=False``): nothing is copied or re-pointed.
     """
     buckets = []
     for b, indices in enumerate(groups):
@@ -77,7 +80,7 @@ def build(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: li
         layout = Flat(members)
         bucket = Bucket(b, list(indices), [names[i] for i in indices], members, layout.flat, layout.views)
         for p, view in zip(bucket.params, bucket.views):
-            if p.grad is not None:
+            if adopt and p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = view
         buckets.append(bucket)

@@ -13,6 +13,16 @@ average, one used on none keeps ``grad=None``.
 After the first synchronized backward the buckets are re-planned once from the
 order in which gradients really arrived (rank 0's order, broadcast).
 
+Parameters with sparse gradients (``nn.Embedding(..., sparse=True)``, named at
+construction: ``sparse``) stay out of the buckets: at the end of backward each is
+summed, in parameter order on every rank, with a sparse allreduce (a rank
+without one sends an empty tensor), as torch DDP does (``unison.engine.sparse``).
+
+A gradient that carries a graph (``backward(create_graph=True)``) is averaged as
+torch DDP averages it: its value becomes the average, its own graph stays (the
+average's derivative is the local gradient's, scaled; nothing backpropagates
+through the collective).
+
 The reducer knows no algorithm: it asks its ``dispatcher`` (``unison.events.Dispatcher``)
 whether a pass synchronizes, by what to scale, how to reduce a bucket, and tells
 it when the backward's reductions are complete.
@@ -32,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from ..runtime import health
 from . import buckets as bucketing
 from . import comm, nonfinite
+from . import sparse as sparse_grads
 from .comm import src_rank, start
 
 
@@ -109,6 +120,16 @@ class GradReducer:
             True if it recovered (fault tolerance). With it, each pass keeps
             a copy of this rank's gradients in ``local`` (parameter index ->
             gradient, before scaling) to redo the round from.
+        sparse: positions (in ``params``) of the parameters whose gradients are
+            sparse; they are kept out of the buckets and summed with a sparse
+            allreduce. A sparse gradient anywhere else raises, naming the parameter.
+        static_graph: the same parameters get gradients in every backward: which
+            ones is agreed on in the first synchronized pass only, and the
+            has-a-gradient allreduce is skipped after it (torch DDP's ``static_graph``).
+        gradient_as_bucket_view: parameters' ``.grad`` are views of the buckets
+            (no copy). With False each ``.grad`` stays a tensor of its own, into
+            which the average is copied once its bucket is reduced (torch DDP's
+            default; one more copy of the gradients in memory).
     """
 
     def __init__(
@@ -128,6 +149,9 @@ class GradReducer:
         on_end: Sequence[Callable[[], None]] = (),
         defers_completion: bool = False,
         recover: Optional[Callable[[BaseException, "GradReducer"], bool]] = None,
+        sparse: Sequence[int] = (),
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -146,6 +170,18 @@ class GradReducer:
         self.defers_completion = defers_completion
         self.recover = recover
         self.local: dict[int, torch.Tensor] = {}
+        self.static_graph = static_graph
+        self.as_view = gradient_as_bucket_view
+        self.sparse = sorted(set(sparse))
+        self._is_sparse = [False] * len(self.params)
+        for i in self.sparse:
+            self._is_sparse[i] = True
+        self._sparse_dims = {i: 1 for i in self.sparse}  # an empty contribution's sparse_dim (Embedding's: 1)
+        self._sparse_work: list[tuple[int, torch.Tensor, Any]] = []  # this pass's sparse allreduces
+        self._sparse_out: dict[int, torch.Tensor] = {}  # their sums, once landed
+        self._graphs: dict[int, torch.Tensor] = {}  # create_graph: parameter -> its scaled local gradient
+        self._used: Optional[list[bool]] = None  # this pass: which parameters end with a gradient
+        self._static_used: Optional[list[bool]] = None  # static_graph: the first pass's agreement
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # Hooks users add (DataParallel.register_comm_hook).
         self.comm_hook: Optional[tuple[Any, Callable]] = None
@@ -161,9 +197,7 @@ class GradReducer:
         self.bytes_total = 0
         self.bytes_last = 0
 
-        self._set_buckets(
-            bucketing.plan(self.params, list(reversed(range(len(self.params)))), self.cap, self.first_cap)
-        )
+        self._set_buckets(bucketing.plan(self.params, self._dense_order([]), self.cap, self.first_cap))
         self._replan_pending = True
         self._flag_group = comm.private_group(group, f"{tag}/flags")
         self._rank = dist.get_rank(group) if group is not None else 0
@@ -207,10 +241,15 @@ class GradReducer:
         return None if i is None else self._bucket_of[i]
 
     # ---- set-up ---------------------------------------------------------
+    def _dense_order(self, first: list[int]) -> list[int]:
+        """``first``, then the other dense parameters in reverse order (the order gradients usually arrive)."""
+        seen = set(first)
+        return first + [i for i in reversed(range(len(self.params))) if i not in seen and not self._is_sparse[i]]
+
     def _set_buckets(self, groups: list[list[int]]) -> None:
-        self.buckets = bucketing.build(self.params, self.names, groups)
+        self.buckets = bucketing.build(self.params, self.names, groups, adopt=self.as_view)
         n = len(self.params)
-        self._bucket_of = [0] * n
+        self._bucket_of: list[Optional[int]] = [None] * n
         self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         for b in self.buckets:
             for i, view in zip(b.indices, b.views):
@@ -313,8 +352,12 @@ class GradReducer:
         self._next = 0
         self._handles: list[tuple[bucketing.Bucket, Any]] = []
         self._arrival: Optional[list[int]] = [] if self._replan_pending else None
+        self._sparse_scale = 1.0 / (self.scale_world or self.world) if custom else self._scale
         self._bytes = 0
         self.local = {}
+        self._graphs = {}
+        self._sparse_work = []
+        self._used = None
         for fn in self.on_begin:
             fn()
         if queue:
@@ -334,12 +377,16 @@ class GradReducer:
                 "Use torch.utils.checkpoint(..., use_reentrant=False), or DataParallel(..., delay_reduce=True)."
             )
         self._fired[i] = True
+        if self._is_sparse[i]:
+            self._check_sparse(i)  # reduced at the end of backward
+            return
         if self._arrival is not None:
             self._arrival.append(i)
         if self._delayed:
             return
         self._adopt(i)
         b = self._bucket_of[i]
+        assert b is not None  # a dense parameter
         self._pending[b] -= 1
         if self._pending[b] == 0 and b == self._next:
             while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -353,21 +400,62 @@ class GradReducer:
         if grad is None:
             view.zero_()
             return False
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} got a {grad.layout} gradient, but it was planned dense: only the "
+                "weights of nn.Embedding/nn.EmbeddingBag built with sparse=True (and DistributedOptimizer's "
+                "sparse_params) are known at construction to get sparse gradients, as in torch DDP; build the "
+                "module with sparse=False, or name the parameter in DistributedOptimizer(..., sparse_params=[...])"
+            )
         if self.recover is not None:
             self.local[i] = grad.detach().clone()
-        if grad.data_ptr() != view.data_ptr():
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"parameter {self.names[i]!r} has a sparse gradient; unison reduces dense gradients only (use sparse=False)"
-                )
+        if grad.requires_grad:  # backward(create_graph=True): the bucket takes the value, the graph is kept
+            if not self._fired[i]:  # from an earlier pass, already averaged: its graph stays as it is
+                torch.mul(grad.detach(), self._scale, out=view)
+                return True
+            with torch.enable_grad():
+                scaled = grad * self._scale if self._scale != 1.0 else grad
+            self._graphs[i] = scaled
+            view.copy_(scaled.detach())
+        elif grad.data_ptr() != view.data_ptr():
             if self._scale != 1.0:
                 torch.mul(grad, self._scale, out=view)
             else:
                 view.copy_(grad)
-            p.grad = view
+            if self.as_view:
+                p.grad = view
         elif self._scale != 1.0:
             view.mul_(self._scale)
         return True
+
+    def _check_sparse(self, i: int) -> None:
+        """A parameter planned sparse must get a sparse gradient (or none)."""
+        grad = self.params[i].grad
+        if grad is not None and not grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} was planned sparse (its module was built with sparse=True) but got a "
+                f"{grad.layout} gradient; do not change the module's sparse attribute after wrapping it"
+            )
+
+    def _launch_sparse(self, i: int) -> bool:
+        """Start the sparse allreduce of parameter i's gradient (an empty one if it has none),
+        scaled; return whether it had one."""
+        self._check_sparse(i)
+        p, grad = self.params[i], self.params[i].grad
+        if grad is None:
+            mine = sparse_grads.empty(p, self._sparse_dims[i])
+        else:
+            self._sparse_dims[i] = grad.sparse_dim()
+            if self.recover is not None:
+                self.local[i] = grad.detach().clone()
+            mine = grad.detach() * self._sparse_scale  # a new tensor: the allreduce writes into it
+            if self.nonfinite is not None and not sparse_grads.finite(mine):
+                self._bad = i if self._bad is None else min(i, self._bad)
+                mine = sparse_grads.empty(p, self._sparse_dims[i])
+        work = None if self.group is None else start(dist.all_reduce, mine, group=self.group)
+        self._bytes += sparse_grads.nbytes(mine) * max(self.world - 1, 0)  # each rank's entries go to every other
+        self._sparse_work.append((i, mine, work))
+        return grad is not None
 
     def _screen(self, bucket: bucketing.Bucket) -> None:
         """With ``nonfinite`` set: note this rank's first non-finite gradient and zero
@@ -420,13 +508,17 @@ class GradReducer:
             if self.reduce_function is not None:
                 self._screen(self.buckets[k])
                 self.reduce_function(self.buckets[k].views, self.group)
+                self._handles.append((self.buckets[k], None))
             else:
                 self._launch(k)
+        for i in self.sparse:
+            has[i] = self._launch_sparse(i)
         self._has = has
         self._flags = None
+        negotiating = self.negotiate and self._static_used is None
         if self.group is None:
             self._flags = (self._flag_tensor(has), None)
-        elif self.negotiate or self.nonfinite is not None:
+        elif negotiating or self.nonfinite is not None:
             flags = self._flag_tensor(has)
             work = start(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._flag_group)
             self._flags = (flags, work)
@@ -449,6 +541,7 @@ class GradReducer:
         if not self._unfinished:
             return
         if self._has is not None:  # first call for this backward
+            self._finish_sparse()
             bad = self._settle_flags()
             for fn in self.on_end:
                 fn()
@@ -464,9 +557,11 @@ class GradReducer:
                 result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.flat.data_ptr():
                 bucket.flat.copy_(result)
+            self._deliver(bucket)
         if self._waiting:
             return
         self._unfinished = False
+        self._used = None
         if self._arrival is not None:
             self._replan(self._arrival)
         self.dispatcher.after_backward()
@@ -494,14 +589,60 @@ class GradReducer:
                 if code:
                     rank, index = nonfinite.decode(code, self.world, n)
                     bad = (rank, self.names[index])
-        if self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
+        if self.negotiate and self.static_graph:
+            used_anywhere = self._static(used_anywhere if self._flags is not None else None)
+        elif self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
             used_anywhere = [True] * n
-        for i, local in enumerate(self._has or []):
-            if not local and used_anywhere[i]:
+        has = self._has or [False] * n
+        self._used = [local or anywhere for local, anywhere in zip(has, used_anywhere)]
+        for i, local in enumerate(has):
+            if self._is_sparse[i]:
+                if self._used[i]:
+                    self.params[i].grad = self._sparse_out.pop(i)
+            elif not local and used_anywhere[i] and self.as_view:
                 self.params[i].grad = self._views[i]
+        self._sparse_out = {}
         self._flags = self._has = None
         self.nonfinite_checked = self.nonfinite is not None
         return bad
+
+    def _static(self, agreed: Optional[list[bool]]) -> list[bool]:
+        """static_graph: keep the first pass's agreement, and hold every later pass to it."""
+        if self._static_used is None:
+            assert agreed is not None  # the first pass negotiates
+            self._static_used = list(agreed)
+            return agreed
+        for i, local in enumerate(self._has or []):
+            if local and not self._static_used[i]:
+                raise RuntimeError(
+                    f"static_graph=True, but parameter {self.names[i]!r} got a gradient although no rank's first "
+                    "synchronized backward gave it one: the graph changed; use static_graph=False"
+                )
+        return self._static_used
+
+    def _finish_sparse(self) -> None:
+        """Wait for the sparse allreduces; their sums are set as gradients by ``_settle_flags``."""
+        self._sparse_out = {}
+        for i, total, work in self._sparse_work:
+            if work is not None:
+                comm.wait(work)
+            self._sparse_out[i] = total
+        self._sparse_work = []
+
+    def _deliver(self, bucket: bucketing.Bucket) -> None:
+        """A bucket's average has landed: gradients with a graph take its value (their graph
+        stays), and with ``gradient_as_bucket_view=False`` gradients get a copy of it."""
+        used = self._used
+        for i, view in zip(bucket.indices, bucket.views):
+            p, graph = self.params[i], self._graphs.pop(i, None)
+            if graph is not None:
+                with torch.enable_grad():
+                    p.grad = graph + (view - graph.detach())  # the average's value, the local gradient's graph
+            elif not self.as_view and (used is None or used[i]):
+                if p.grad is None or p.grad.data_ptr() == view.data_ptr():
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def _on_nonfinite(self, rank: int, name: str) -> None:
         """Every rank learns of the same bad gradient at once: raise, or skip the step."""
@@ -514,8 +655,7 @@ class GradReducer:
     def _replan(self, arrival: list[int]) -> None:
         """Rebuild the buckets once, in rank 0's real gradient order."""
         self._replan_pending = False
-        seen = set(arrival)
-        order = arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order = self._dense_order(arrival)
         t = torch.tensor(order, dtype=torch.int64, device=self.device)
         if self.group is not None:
             comm.wait(start(dist.broadcast, t, src=src_rank(self.group), group=self.group))

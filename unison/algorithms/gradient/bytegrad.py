@@ -13,7 +13,7 @@ See docs/algorithms.md#bytegrad.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,8 @@ class ByteGrad(Algorithm[ByteGradState]):
     """
 
     name = "bytegrad"
+    #: It reduces 8-bit buckets with error feedback: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
+    sparse_gradients: ClassVar[bool] = False
     chunk_size: int = 1024
     error_feedback: bool = False
     hierarchical: bool = False

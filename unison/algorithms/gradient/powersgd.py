@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from functools import partial
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,8 @@ class PowerSGD(Algorithm[PowerSGDState]):
     """
 
     name = "powersgd"
+    #: It reduces low-rank buckets with error feedback: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
+    sparse_gradients: ClassVar[bool] = False
     rank: int = 4
     start_iter: int = 10
     min_compression_rate: float = 2.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,8 @@ class QAdam(Algorithm[QAdamState]):
     """
 
     name = "qadam"
+    #: It reduces its momentum, compressed per bucket: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
+    sparse_gradients: ClassVar[bool] = False
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
