@@ -389,6 +389,21 @@ class DataParallel(nn.Module):
             args, kwargs = _moved((args, kwargs), torch.device(self.device_type, self.device_ids[0]))
         if self._restored:
             return self._restored_forward(*args, **kwargs)
+        watch = self._before_module()
+        if torch.compiler.is_compiling():  # the module is compiled; the wrapper's bookkeeping is not
+            output = self.module(*args, **kwargs)
+        else:
+            with self._core.entry("forward"):
+                output = self.module(*args, **kwargs)
+        return self._after_module(output, watch)
+
+    # Under torch.compile the wrapper's bookkeeping runs eagerly, between the module's graphs
+    # (as torch DDP's pre- and post-forward do): traced, its counters would be guarded on and
+    # the forward recompiled at every step, and the reducer's autograd hooks cannot be traced.
+    @torch.compiler.disable
+    def _before_module(self) -> bool:
+        """Join's announcement, the debug check, the algorithm's before-forward, the engine's
+        pass; True if the output is to be watched for the synchronized backward."""
         with self._core.entry("forward"):
             join = self._join_hook.active
             if join is not None:
@@ -396,17 +411,20 @@ class DataParallel(nn.Module):
             elif self.debug and self.process_group is not None:
                 check_step_agrees(self._core, self._forwards, self._require_sync, self._step_group)
             self._forwards += 1
-            core = self._core
-            core.before_forward()
-            reducer = core.reducer
-            if reducer is not None and torch.is_grad_enabled():
-                reducer.prepare(self._require_sync)
-                output = self.module(*args, **kwargs)
-                if self._require_sync:
-                    reducer.watch(output)
-            else:
-                output = self.module(*args, **kwargs)
-            core.events.after_forward(output)
+            self._core.before_forward()
+            reducer = self._core.reducer
+            if reducer is None or not torch.is_grad_enabled():
+                return False
+            reducer.prepare(self._require_sync)
+            return self._require_sync
+
+    @torch.compiler.disable
+    def _after_module(self, output: Any, watch: bool) -> Any:
+        with self._core.entry("forward"):
+            reducer = self._core.reducer
+            if watch and reducer is not None:
+                reducer.watch(output)
+            self._core.events.after_forward(output)
             return output
 
     def _restored_forward(self, *args: Any, **kwargs: Any) -> Any:
