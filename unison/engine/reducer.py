@@ -448,7 +448,9 @@ class GradReducer:
             self._sparse_dims[i] = grad.sparse_dim()
             if self.recover is not None:
                 self.local[i] = grad.detach().clone()
-            mine = grad.detach() * self._sparse_scale  # a new tensor: the allreduce writes into it
+            mine = (
+                grad.detach() * self._sparse_scale
+            ).coalesce()  # a new tensor (the allreduce writes into it), no repeated rows
             if self.nonfinite is not None and not sparse_grads.finite(mine):
                 self._bad = i if self._bad is None else min(i, self._bad)
                 mine = sparse_grads.empty(p, self._sparse_dims[i])

@@ -35,11 +35,11 @@ def empty(param: torch.Tensor, sparse_dim: int) -> torch.Tensor:
 
 
 def nbytes(grad: torch.Tensor) -> int:
-    """Bytes of a sparse tensor's indices and values (what each rank sends of it)."""
-    indices, values = grad._indices(), grad._values()
+    """Bytes of a coalesced sparse tensor's indices and values (what each rank sends of it)."""
+    indices, values = grad.indices(), grad.values()
     return indices.numel() * indices.element_size() + values.numel() * values.element_size()
 
 
 def finite(grad: torch.Tensor) -> bool:
-    """Whether every stored value of a sparse gradient is finite."""
-    return bool(torch.isfinite(grad._values()).all())
+    """Whether every stored value of a coalesced sparse gradient is finite."""
+    return bool(torch.isfinite(grad.values()).all())
