@@ -18,9 +18,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-#: torch DDP arguments kept with a warning until they are wired (issue 28).
-IGNORED = ("gradient_as_bucket_view", "static_graph")
-
 _DELAYED = (
     "delaying some parameters' allreduce to another parameter's gradient hook is not supported; "
     "delay_reduce=True reduces every bucket after backward"
@@ -48,9 +45,20 @@ HONOURED = (
     "skip_all_reduce_unused_params",
     "batched_grad_copy",
     "forward_sync_buffers",
+    "static_graph",
+    "gradient_as_bucket_view",
 )
 
 Device = Union[int, str, torch.device]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A tensor-parallel (sharded) parameter; False where torch has no distributed tensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,12 @@ class Keywords:
             gradients are the same with or without them (unison sends an unused
             parameter's zeros in its bucket, and copies each gradient as it arrives).
         forward_sync_buffers: buffers follow rank 0's during training (not at construction).
+        static_graph: the same parameters get gradients at every step: which ones is
+            agreed in the first synchronized backward only, and a later change raises.
+        gradient_as_bucket_view: ``.grad`` are views of the flat buckets (no copy of the
+            gradients). Here the default is True, torch's is False: the same values
+            with one copy of the gradients less; False gives each ``.grad`` its own
+            tensor, the average copied in, as torch's default does.
     """
 
     device_ids: Optional[Sequence[Device]] = None
@@ -80,6 +94,8 @@ class Keywords:
     skip_all_reduce_unused_params: bool = False
     batched_grad_copy: bool = False
     forward_sync_buffers: Optional[bool] = None
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
 
 
 def parse(keywords: Mapping[str, Any], stacklevel: int = 2) -> Keywords:
@@ -87,7 +103,7 @@ def parse(keywords: Mapping[str, Any], stacklevel: int = 2) -> Keywords:
 
     ``stacklevel`` counts from the caller of ``parse``, as ``warnings.warn``'s does.
     """
-    known = set(IGNORED) | set(REFUSED) | set(HONOURED)
+    known = set(REFUSED) | set(HONOURED)
     unknown = sorted(set(keywords) - known)
     if unknown:
         raise TypeError(f"DataParallel got unexpected keyword argument(s) {', '.join(unknown)}")
@@ -96,14 +112,15 @@ def parse(keywords: Mapping[str, Any], stacklevel: int = 2) -> Keywords:
     for name, reason in REFUSED.items():
         if keywords.get(name) is not None:
             raise NotImplementedError(f"unison.DataParallel does not take torch DDP's {name}: {reason}")
-    ignored = sorted(k for k in IGNORED if keywords.get(k))
-    if ignored:
-        warnings.warn(
-            f"unison.DataParallel ignores the torch DDP argument(s) {', '.join(ignored)}: they do not apply here",
-            stacklevel=stacklevel + 1,
-        )
     given = {k: v for k, v in keywords.items() if k in HONOURED}
-    for name in ("init_sync", "check_reduction", "skip_all_reduce_unused_params", "batched_grad_copy"):
+    for name in (
+        "init_sync",
+        "check_reduction",
+        "skip_all_reduce_unused_params",
+        "batched_grad_copy",
+        "static_graph",
+        "gradient_as_bucket_view",
+    ):
         if name in given and not isinstance(given[name], bool):
             raise TypeError(f"{name} must be a bool, got {given[name]!r}")
     if given.get("forward_sync_buffers") is not None and not isinstance(given["forward_sync_buffers"], bool):
@@ -144,7 +161,7 @@ def group_of(process_group: Any, device_mesh: Any) -> Any:
     """The process group the replicas talk over: ``process_group``, or ``device_mesh``'s.
 
     torch's checks: not both (RuntimeError), a 1-D mesh only (RuntimeError). A mesh
-    sliced out of a larger one (tensor parallelism with DDP) is refused.
+    whose parameters are DTensors (tensor parallelism with DDP) is refused by ``check_module``.
     """
     if device_mesh is None:
         return process_group
@@ -152,11 +169,6 @@ def group_of(process_group: Any, device_mesh: Any) -> Any:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-    if device_mesh._get_root_mesh() != device_mesh:
-        raise NotImplementedError(
-            "a device_mesh sliced out of a larger mesh (tensor parallelism with DDP) is not supported by "
-            "unison.DataParallel; pass a 1-D mesh of its own or its process_group"
-        )
     return device_mesh.get_group(mesh_dim=0)
 
 
@@ -175,6 +187,12 @@ def check_module(
             f"(_ddp_params_and_buffers_to_ignore: {sorted(ignored)}); every parameter and buffer is kept in agreement"
         )
     params = [p for _, p in module.named_parameters()]
+    sharded = [n for n, p in module.named_parameters() if _is_dtensor(p)]
+    if sharded:
+        raise NotImplementedError(
+            f"parameter {sharded[0]!r} is a DTensor (tensor parallelism): unison.DataParallel averages plain "
+            "tensors only; use torch DDP or FSDP over a device mesh for tensor-parallel modules"
+        )
     if not any(p.requires_grad for p in params):
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."

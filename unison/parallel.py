@@ -90,7 +90,11 @@ class DataParallel(nn.Module):
             (``unison.ddp_keywords``): ``device_ids`` (one GPU; inputs are moved
             there), ``output_device``, ``dim``, ``init_sync`` (False: no initial
             broadcast), ``device_mesh`` (a 1-D mesh: its group),
-            ``forward_sync_buffers``, ``check_reduction`` (deprecated),
+            ``forward_sync_buffers``, ``static_graph`` (which parameters get
+            gradients is agreed once, in the first synchronized backward),
+            ``gradient_as_bucket_view`` (default True here, False in torch: the
+            same values, one copy of the gradients less; False gives each
+            ``.grad`` its own tensor), ``check_reduction`` (deprecated),
             ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` (speed
             options of torch's; the same gradients here). ``mixed_precision``,
             ``bucket_cap_mb_list`` and the delayed-allreduce pair are refused
@@ -188,6 +192,8 @@ class DataParallel(nn.Module):
         self.dim = torch_keywords.dim
         self.init_sync = torch_keywords.init_sync
         self.skip_all_reduce_unused_params = torch_keywords.skip_all_reduce_unused_params
+        self.static_graph = torch_keywords.static_graph
+        self.gradient_as_bucket_view = torch_keywords.gradient_as_bucket_view
         self.device = next(iter(module.parameters())).device
         self.device_type = self.device.type
         self._initial_buffers = initial_buffers
@@ -258,6 +264,8 @@ class DataParallel(nn.Module):
             ("setting", "buffers broadcast at construction", self._initial_buffers),
             ("setting", "negotiate_grads", self.negotiate_grads),
             ("setting", "delay_reduce", self.delay_reduce),
+            ("setting", "static_graph", self.static_graph),
+            ("setting", "gradient_as_bucket_view", self.gradient_as_bucket_view),
             ("setting", "nonfinite", self.nonfinite),
             ("setting", "debug", self.debug),
             ("setting", "world size", self.world_size),
@@ -284,6 +292,8 @@ class DataParallel(nn.Module):
             on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
             on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
             defers_completion=self.algorithm.defers_completion,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
 
     @property

@@ -22,6 +22,8 @@ ALGORITHMS = PACKAGE / "algorithms"
 LAYERS = [
     "runtime",
     "ddp_keywords",
+    "comm_hook",
+    "memory",
     "engine",
     "hooks",
     "replica",

@@ -520,12 +520,9 @@ def check_create_graph_averaging() -> dict:
 
 
 # ---- static_graph and gradient_as_bucket_view ------------------------------------------
-def engine_model(net: nn.Module, **reducer: Any) -> unison.DataParallel:
-    """A DataParallel whose gradient engine is rebuilt with ``reducer``'s options (the
-    wrapper's keywords for them are wired separately)."""
-    model = unison.DataParallel(net)
-    model.core.build_reducer(model.process_group, **reducer)
-    return model
+def engine_model(net: nn.Module, **keywords: Any) -> unison.DataParallel:
+    """A DataParallel given torch DDP's keywords for the gradient engine (static_graph, ...)."""
+    return unison.DataParallel(net, **keywords)
 
 
 def check_static_graph() -> dict:

@@ -127,15 +127,17 @@ def test_recovering_runs_again_after_a_recovered_failure():
     assert core.recovering(flaky) == 3
 
 
-def test_ddp_keywords_warn_at_the_caller_and_refuse_others():
+def test_ddp_keywords_take_torch_meanings_and_refuse_others():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         parsed = ddp_keywords.parse({"device_ids": [0], "static_graph": True, "dim": 1}, stacklevel=1)
-    assert [str(w.message) for w in caught] == [
-        "unison.DataParallel ignores the torch DDP argument(s) static_graph: they do not apply here"
-    ]
+        ddp_keywords.parse({"check_reduction": True}, stacklevel=1)
+    assert [w.category for w in caught] == [FutureWarning]  # check_reduction's deprecation only
     assert caught[0].filename == __file__
     assert parsed.device_ids == [0] and parsed.dim == 1 and parsed.init_sync is True
+    assert parsed.static_graph is True and parsed.gradient_as_bucket_view is True
+    with pytest.raises(TypeError, match="static_graph must be a bool"):
+        ddp_keywords.parse({"static_graph": "yes"})
     with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) bogus"):
         ddp_keywords.parse({"bogus": 1, "dim": 0})
     with pytest.raises(NotImplementedError, match="mixed_precision"):
