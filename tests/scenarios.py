@@ -188,7 +188,7 @@ def many_buckets():
 
 def bucket_names(model):
     reducer = model._core.reducer
-    return [[reducer.names[i] for i in b.indices] for b in reducer.buckets]
+    return [[reducer.names[i] for i in g] for g in reducer.groups]
 
 
 def replanned():

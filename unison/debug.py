@@ -27,7 +27,7 @@ def step_entries(core: Core, forwards: int, synchronized: bool) -> list[tuple[An
         ("setting", "optimizer steps", core.clock.steps),
         ("setting", "algorithm", core.algorithm.describe()),
         ("setting", "world size", core.replica.world_size),
-        ("setting", "bucket plan", [b.indices for b in r.buckets] if r is not None else None),
+        ("setting", "bucket plan", r.groups if r is not None else None),
     ]
 
 

@@ -197,6 +197,8 @@ class GradReducer:
         self.bytes_total = 0
         self.bytes_last = 0
 
+        self.buckets: list[bucketing.Bucket] = []  # made at the first synchronized backward
+        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         self._set_buckets(bucketing.plan(self.params, self._dense_order([]), self.cap, self.first_cap))
         self._replan_pending = True
         self._flag_group = comm.private_group(group, f"{tag}/flags")
@@ -247,20 +249,47 @@ class GradReducer:
         return first + [i for i in reversed(range(len(self.params))) if i not in seen and not self._is_sparse[i]]
 
     def _set_buckets(self, groups: list[list[int]]) -> None:
-        self.buckets = bucketing.build(self.params, self.names, groups, adopt=self.as_view)
+        """Plan the buckets as ``groups`` (parameter positions); their buffers are made at
+        the next synchronized backward (``_materialize``), after the old ones are let go."""
+        self._release()
+        self._groups = [list(g) for g in groups]
         n = len(self.params)
         self._bucket_of: list[Optional[int]] = [None] * n
-        self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        for b, indices in enumerate(self._groups):
+            for i in indices:
+                self._bucket_of[i] = b
+        self._sizes = [len(g) for g in self._groups]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def _materialize(self) -> None:
+        """Make the planned buckets' buffers (gradients already there are copied in)."""
+        self.buckets = bucketing.build(self.params, self.names, self._groups, adopt=self.as_view)
         for b in self.buckets:
             for i, view in zip(b.indices, b.views):
-                self._bucket_of[i] = b.index
                 self._views[i] = view
-        self._sizes = [len(b.indices) for b in self.buckets]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def _release(self) -> None:
+        """Let the buckets' buffers go (the plan stays). Gradients that are views of a
+        buffer get tensors of their own, one bucket at a time, each buffer freed before
+        the next is copied: never more than one bucket beyond the gradients."""
+        while self.buckets:
+            bucket = self.buckets.pop()
+            storage = bucket.flat.untyped_storage().data_ptr()
+            for i, p in zip(bucket.indices, bucket.params):
+                grad = p.grad
+                if grad is not None and grad.layout == torch.strided and grad.untyped_storage().data_ptr() == storage:
+                    p.grad = grad.detach().clone()
+                self._views[i] = None  # type: ignore[call-overload]
+            del bucket
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The bucket plan: each bucket's parameter positions, in launch order."""
+        return [list(g) for g in self._groups]
 
     def plan(self, cap_bytes: int) -> list[list[int]]:
         """The buckets (parameter positions) at ``cap_bytes`` each, in the current order."""
-        order = [i for b in self.buckets for i in b.indices]
+        order = [i for g in self._groups for i in g]
         return bucketing.plan(self.params, order, int(cap_bytes), min(int(cap_bytes), bucketing.MB))
 
     def set_bucket_cap(self, cap_bytes: int) -> None:
@@ -273,7 +302,7 @@ class GradReducer:
         groups = self.plan(cap_bytes)
         self.cap = int(cap_bytes)
         self.first_cap = min(self.cap, bucketing.MB)
-        if groups != [b.indices for b in self.buckets]:
+        if groups != self._groups:
             self._set_buckets(groups)
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -316,11 +345,15 @@ class GradReducer:
             Variable._execution_engine.queue_callback(self._end_pass)
 
     def _decide(self) -> bool:
-        """Whether this pass synchronizes (asked once per pass)."""
+        """Whether this pass synchronizes (asked once per pass). When the algorithm stops
+        synchronizing gradients (a model-averaging algorithm past its warm-up), the buckets'
+        buffers are let go; the next synchronized pass makes them again."""
         sync = self._sync if self.decide_sync is None else self.decide_sync()
         synced = bool(sync and self.dispatcher.sync_gradients())
         if not synced:
             self.nonfinite_checked = False
+            if sync and self.buckets and not self._unfinished:
+                self._release()
         return synced
 
     def shadow_pass(self, sync: bool) -> None:
@@ -342,6 +375,8 @@ class GradReducer:
     # ---- backward ------------------------------------------------------
     def _begin(self, queue: bool = True) -> None:
         self.complete()  # a deferred completion must finish before buckets are rewritten
+        if not self.buckets and self._groups:
+            self._materialize()
         self._active = True
         self._delayed = self.delay or bool(self.before_sync) or self.reduce_function is not None
         custom = self.comm_hook is not None or self.reduce_function is not None
@@ -662,5 +697,5 @@ class GradReducer:
         if self.group is not None:
             comm.wait(start(dist.broadcast, t, src=src_rank(self.group), group=self.group))
         groups = bucketing.plan(self.params, t.tolist(), self.cap, self.first_cap)
-        if groups != [b.indices for b in self.buckets]:
-            self._set_buckets(groups)
+        if groups != self._groups:
+            self._set_buckets(groups)  # the new buffers are made at the next backward, after these are gone
