@@ -239,7 +239,7 @@ def async_rounds():
         time.sleep(0.01)
     out = {"idle_spread": spread_across_ranks(net), "node_spread": spread_in(unison.topology().intra_node_group, net)}
     model.average()
-    per_round = ring_bytes(shard_nbytes(state.levels, thread.buffers.node), 2)
+    per_round = thread.buffers.inter_bytes  # every chunk's shard across the 2 nodes
     out.update(
         rounds=state.rounds, inter=state.levels.inter_bytes, per_round=per_round, spread=spread_across_ranks(net)
     )

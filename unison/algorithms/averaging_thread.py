@@ -3,14 +3,12 @@ other ranks' threads, until a round where some rank says stop.
 
 Round k meets round k everywhere on a private group. It starts with a one-integer
 allreduce (MIN) of a "keep going" flag, so every rank stops after the same round;
-then it snapshots the parameters under the state's lock, averages the snapshots
-(lock released: training goes on) and, under the lock, adds ``average - snapshot``
-to every parameter. See docs/algorithms.md#async.
-
-The snapshot and the average live in two flat buffers kept for the thread's
-life (``FlatRound``): a round copies the parameters once (under the lock), and
-every other pass (divide, subtract, add) works in place, so a round costs the
-training thread's core a few memory passes rather than fresh allocations.
+then, chunk by chunk (``ChunkedRound``: about a bucket's worth of parameters), it
+snapshots the chunk under the state's lock, averages the snapshots (lock released:
+training goes on) and, under the lock, adds ``average - snapshot`` to the chunk.
+A round is thus one pass over the model whose chunks are snapshotted at different
+moments, each averaged exactly. Two chunk-sized buffers, kept for the thread's life,
+are all it holds: never a copy of the model. See docs/algorithms.md#async.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import comm
-from ..engine.averaging import CHUNK_BYTES
-from ..engine.flat import Flats
+from ..engine.flat import kind, split
 from ..engine.hierarchy import TwoLevel
 
 #: Longest pause between two checks of an average in flight.
@@ -36,57 +33,92 @@ POLL_MAX_S = 0.002
 EXIT_JOIN_S = 5.0
 
 
-class FlatRound:
-    """The snapshot of ``params`` and its average over ``group``, in flat buffers
-    allocated once (one pair per dtype and device), averaged in chunks of at most
-    ``chunk_bytes`` (views: nothing is copied for the wire). With ``levels`` the
-    average runs in two levels (the node's mean, shards across nodes, gathered):
-    ``launch`` then runs every leg, blocking (the averaging thread calls it).
+class ChunkedRound:
+    """A round's average of ``params`` over ``group``, chunk by chunk: chunks of at most
+    ``chunk_bytes`` (``comm.staged``: a large tensor cut into views), each snapshotted,
+    averaged and applied before the next, through two chunk-sized buffers (the snapshot
+    and the wire) allocated once per dtype and device: a round costs at most two chunks,
+    never a copy of the model. With ``levels`` a chunk is averaged in two levels (the
+    node's mean, shards across nodes, gathered), blocking in ``launch``.
 
-    ``wire_bytes`` is what a round sends (hierarchical: what the last one sent, both levels).
+    ``wire_bytes`` is what the last chunk launched sent (hierarchical: both levels);
+    ``inter_bytes`` what a whole round sends across nodes (hierarchical).
 
     Example::
 
-        r = FlatRound(params, group)
-        r.snapshot(params)     # under the lock: one copy
-        r.launch()             # the average of the snapshots, in flight
-        ...; r.wait(); r.deltas()                  # average - snapshot, in place
-        torch._foreach_add_(params, r.delta_views)  # under the lock
+        r = ChunkedRound(params, group, chunk_bytes=1 << 20)
+        for i in range(len(r)):
+            with lock:
+                r.snapshot(i)  # one chunk's copy
+            r.launch(i); ...; r.wait()
+            r.delta(i)         # average - snapshot, in place
+            with lock:
+                r.apply(i)     # added to the parameters
     """
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
         group: Optional[dist.ProcessGroup],
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = comm.STAGING_BYTES,
         levels: Optional[TwoLevel] = None,
     ) -> None:
-        self.group, self.world, self.chunk_bytes = group, dist.get_world_size(group), chunk_bytes
-        self.snap, self.wire = Flats(params), Flats(params)
-        self.snaps, self.wires = [f.flat for f in self.snap.parts], [f.flat for f in self.wire.parts]
-        self.snap_views, self.delta_views = self.snap.views, self.wire.views  # in the order of params
-        self.wire_bytes = sum(comm.ring_bytes(w.numel() * w.element_size(), self.world) for w in self.wires)
+        self.params, self.group, self.levels = list(params), group, levels
+        self.world = dist.get_world_size(group)
+        multiple = levels.local_size if levels is not None else 1
+        self.chunks = comm.staged(self.params, chunk_bytes)
+        longest: dict[tuple[torch.dtype, torch.device], int] = {}
+        for chunk in self.chunks:
+            numel = sum(t.numel() for t in chunk)
+            longest[kind(chunk[0])] = max(longest.get(kind(chunk[0]), 0), numel)
+        # The wire buffer is padded to equal shards and used whole by every chunk of its kind
+        # (zeros after the chunk): one length per kind, so the two levels keep one scratch per kind.
+        first = {kind(t): t for t in self.params}
+        snaps = {k: first[k].new_empty(n) for k, n in longest.items()}
+        wires = {k: first[k].new_zeros(-(-n // multiple) * multiple) for k, n in longest.items()}
+        self.parts = []  # per chunk: (its tensors, snapshot, wire, their views)
+        for chunk in self.chunks:
+            numel, k = sum(t.numel() for t in chunk), kind(chunk[0])
+            snap, wire = snaps[k][:numel], wires[k] if levels is not None else wires[k][:numel]
+            self.parts.append((chunk, snap, wire, split(snap, chunk), split(wire, chunk)))
+        self.inter_bytes = 0
+        if levels is not None and levels.nodes > 1:
+            for _, _, wire, _, _ in self.parts:
+                shard = levels.shard_numel(wire.numel()) * wire.element_size()
+                self.inter_bytes += comm.ring_bytes(shard, levels.nodes)
+        self.wire_bytes = 0
         self.works: list = []
-        self.levels = levels
-        self.node = levels.flats(self.snap_views) if levels is not None else None  # the two levels' buffers
+        self.ptrs = [t.data_ptr() for t in self.params]
 
-    def snapshot(self, params: list[torch.Tensor]) -> None:
-        """Copy ``params`` into the snapshot."""
-        torch._foreach_copy_(self.snap_views, params)
+    def params_moved(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether ``params`` are not the tensors the chunks were cut from (``p.data`` replaced)."""
+        return len(params) != len(self.ptrs) or any(p.data_ptr() != q for p, q in zip(params, self.ptrs))
 
-    def launch(self) -> "FlatRound":
-        """Start averaging the snapshots: each rank sends its snapshot / world, summed (hierarchical:
-        the two levels' average, done when this returns)."""
-        if self.levels is not None and self.node is not None:
-            before = self.levels.sent
-            torch._foreach_copy_(self.delta_views, self.levels.average(self.node, self.snap_views))
-            self.wire_bytes = self.levels.sent - before
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def snapshot(self, i: int) -> None:
+        """Copy chunk ``i`` of the parameters into the snapshot (call it under the lock)."""
+        chunk, _, _, snaps, _ = self.parts[i]
+        torch._foreach_copy_(snaps, chunk)
+
+    def launch(self, i: int) -> "ChunkedRound":
+        """Start averaging chunk ``i``'s snapshots: each rank sends its snapshot / world, summed
+        (hierarchical: the two levels' average, done when this returns)."""
+        _, snap, wire, _, _ = self.parts[i]
+        h = self.levels
+        if h is not None:
+            before = h.sent
+            wire[: snap.numel()].copy_(snap)
+            wire[snap.numel() :].zero_()
+            if h.local_size > 1:
+                wire.div_(h.local_size)
+            h.gather(wire, h.cross_average(h.scatter(wire)))
+            self.wire_bytes = h.sent - before
             return self
-        self.works = []
-        for snap, wire in zip(self.snaps, self.wires):
-            torch.div(snap, self.world, out=wire)
-            step = max(1, self.chunk_bytes // max(1, wire.element_size()))
-            self.works += [comm.start(dist.all_reduce, part, group=self.group) for part in wire.split(step)]
+        torch.div(snap, self.world, out=wire)
+        self.works = [comm.start(dist.all_reduce, wire, group=self.group)]
+        self.wire_bytes = comm.ring_bytes(wire.numel() * wire.element_size(), self.world)
         return self
 
     def is_completed(self) -> bool:
@@ -97,10 +129,15 @@ class FlatRound:
             comm.wait(w)
         self.works = []
 
-    def deltas(self) -> None:
-        """Turn the average into ``average - snapshot``, in place (``delta_views``)."""
-        for snap, wire in zip(self.snaps, self.wires):
-            wire.sub_(snap)
+    def delta(self, i: int) -> None:
+        """Turn chunk ``i``'s average into ``average - snapshot``, in place."""
+        _, snap, wire, _, _ = self.parts[i]
+        wire[: snap.numel()].sub_(snap)
+
+    def apply(self, i: int) -> None:
+        """Add chunk ``i``'s ``average - snapshot`` to the parameters (call it under the lock)."""
+        chunk, _, _, _, deltas = self.parts[i]
+        torch._foreach_add_(chunk, deltas)
 
 
 class AveragingThread(threading.Thread):
@@ -123,7 +160,7 @@ class AveragingThread(threading.Thread):
         self.failure: Optional[tuple[BaseException, str]] = None  # the error and its traceback
         self.stopped_by_peer = False  # some other rank said stop
         self.stopping = threading.Event()
-        self.buffers: Optional[FlatRound] = None  # built by the first round, kept for the next ones
+        self.buffers: Optional[ChunkedRound] = None  # built by the first round, kept for the next ones
         _live.add(self)
         self.start()
 
@@ -157,22 +194,25 @@ class AveragingThread(threading.Thread):
         return go_on
 
     def _round(self) -> None:
-        """Average the snapshots and add (average - own snapshot) to the parameters."""
+        """Chunk by chunk: average the snapshots and add (average - own snapshot) to the parameters."""
         s = self.state
-        if self.buffers is None:
-            self.buffers = s.new_round()
-        buffers, params = self.buffers, [p.data for p in s.params]  # .data: no version bump
-        with s.lock:
-            buffers.snapshot(params)
-        pending = buffers.launch()
-        s.bytes_sent += pending.wire_bytes
-        self._wait(pending)
-        buffers.deltas()
-        with s.lock:
-            torch._foreach_add_(params, buffers.delta_views)
+        params = [p.data for p in s.params]  # .data: no version bump
+        if self.buffers is None or self.buffers.params_moved(params):
+            self.buffers = None  # the old chunks' buffers go before the new ones come
+            self.buffers = s.new_round(params)
+        buffers = self.buffers
+        for i in range(len(buffers)):
+            with s.lock:
+                buffers.snapshot(i)
+            pending = buffers.launch(i)
+            s.bytes_sent += pending.wire_bytes
+            self._wait(pending)
+            buffers.delta(i)
+            with s.lock:
+                buffers.apply(i)
         s.rounds += 1
 
-    def _wait(self, pending: FlatRound) -> None:
+    def _wait(self, pending: ChunkedRound) -> None:
         """Wait for the average, or raise once the timeout has passed (a rank whose thread
         failed before sending its part would otherwise keep this one waiting)."""
         s = self.state

@@ -2,6 +2,10 @@
 averages the parameters every ``sync_interval_ms`` while each rank trains its replica
 on local gradients, after ``warmup_steps`` steps of synchronous gradient averaging.
 
+A round is one pass over the model, chunk by chunk (about half a gradient bucket,
+at most 2 MiB): a chunk is snapshotted, averaged and its ``average - snapshot``
+added, before the next chunk is snapshotted; so the chunks of one round are taken
+at different moments, and the thread holds two chunks, never a copy of the model.
 Every optimizer step holds a lock the thread takes to read and write the
 parameters; the thread's errors are raised in the training thread (the thread
 itself is ``averaging_thread``). See docs/algorithms.md#async.
@@ -17,11 +21,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ...engine import comm
+from ...engine.buckets import MB
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from ...runtime import collective_timeout
 from .. import options
-from ..averaging_thread import AveragingThread, FlatRound
+from ..averaging_thread import AveragingThread, ChunkedRound
 from ..contract import Algorithm
 from ..schedules import CountedState, StepCount
 
@@ -46,6 +52,7 @@ class AsyncState(CountedState):
         "broken",
         "rounds",
         "levels",
+        "chunk_bytes",
     )
 
     def __init__(
@@ -54,6 +61,7 @@ class AsyncState(CountedState):
         group: Optional[dist.ProcessGroup] = None,
         interval_s: float = 0.05,
         warmup_steps: int = 0,
+        chunk_bytes: int = comm.STAGING_BYTES // 2,
     ) -> None:
         super().__init__(StepCount(1, warmup_steps))
         self.params = list(params)  # the trainable parameters the thread averages
@@ -66,10 +74,14 @@ class AsyncState(CountedState):
         self.broken = False  # the thread failed: it never starts again
         self.rounds = 0
         self.levels: Optional[TwoLevel] = None  # hierarchical: the node layout of the rounds
+        # A round's chunk: its snapshot and wire buffers are all a round holds (two chunks together
+        # at most a gradient bucket, or one staging piece: comm.STAGING_BYTES).
+        self.chunk_bytes = chunk_bytes
 
-    def new_round(self) -> FlatRound:
-        """The buffers of the thread's rounds: flat, or averaged inside the node first."""
-        return FlatRound(self.params, self.group, levels=self.levels)
+    def new_round(self, params: Sequence[torch.Tensor]) -> ChunkedRound:
+        """The buffers of the thread's rounds over ``params`` (the parameters' ``.data``): flat, or
+        averaged inside the node first."""
+        return ChunkedRound(params, self.group, self.chunk_bytes, levels=self.levels)
 
     @property
     def running(self) -> bool:
@@ -157,7 +169,8 @@ class AsyncModelAverage(Algorithm[AsyncState]):
             raise ValueError("'async' averages a model's parameters: wrap the model with unison.DataParallel")
         params = [p for _, p in replica.trainable]
         group = replica.private_group("async") if replica.distributed and params else None
-        state = AsyncState(params, group, self.sync_interval_ms / 1000.0, self.warmup_steps)
+        chunk = max(1, int(min(comm.STAGING_BYTES, replica.bucket_cap_mb * MB)) // 2)
+        state = AsyncState(params, group, self.sync_interval_ms / 1000.0, self.warmup_steps, chunk)
         if self.hierarchical and group is not None:
             topology, private = replica.topology, replica.private_group
             state.levels = TwoLevel.build(topology, replica.group, private, self.name, "async/nodes")
