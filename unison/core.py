@@ -101,7 +101,7 @@ def takes_sparse_gradients(algorithm: Union[Algorithm[Any], type[Algorithm[Any]]
     gradient (a compressor with error feedback, QAdam's momentum) says
     ``sparse_gradients = False``. Model averaging never reduces gradients.
     """
-    return bool(getattr(algorithm, "sparse_gradients", True))
+    return algorithm.sparse_gradients
 
 
 def sparse_positions(
@@ -260,8 +260,18 @@ class Core:
             raise RuntimeError("this wrapper is closed: wrap the module (or optimizer) again to go on training")
         return self.dispatcher
 
+    def refuse_unsupported(self, algorithm: Algorithm[Any]) -> None:
+        """Raise ValueError if ``algorithm`` cannot train this model (sparse gradients it cannot
+        reduce): before it starts, or before ``switch_to`` stops the running one. The model is
+        the same on every rank, so every rank raises."""
+        trainable = self.replica.trainable
+        sparse = sparse_positions(trainable, self.replica.modules)
+        if sparse:
+            check_sparse_support(algorithm, trainable[sparse[0]][0])
+
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""
+        self.refuse_unsupported(self.algorithm)
         self.dispatcher = Dispatcher(self.algorithm, self.replica)
         logger.debug("%s: algorithm %s on %d rank(s)", self.tag, self.algorithm.describe(), self.replica.world_size)
         return self.dispatcher

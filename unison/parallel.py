@@ -330,6 +330,7 @@ class DataParallel(nn.Module):
         """
         self._require_live("switch_to()")
         new = algos.as_algorithm(algorithm)
+        self._core.refuse_unsupported(new)  # before the running algorithm stops
         with self._core.entry("switch_to()"):
             if self.process_group is not None:
                 check_ranks_agree(

@@ -297,6 +297,25 @@ def check_sparse_algorithms() -> dict:
     return out
 
 
+def check_sparse_switch() -> dict:
+    """switch_to an algorithm that cannot take sparse gradients is refused before the running
+    one stops: training goes on under it, still in agreement with torch DDP."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = SparseNet()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    model = unison.DataParallel(ours, optimizer=opt)
+    ddp, ref_opt = DDP(theirs), torch.optim.SGD(theirs.parameters(), lr=0.1)
+    step(model, opt, 0, rank)
+    step(ddp, ref_opt, 0, rank)
+    refused = outcome(lambda: model.switch_to("bytegrad"))
+    for s in range(1, 3):
+        step(model, opt, s, rank)
+        step(ddp, ref_opt, s, rank)
+    return {"refused": refused, "algorithm": model.algorithm.name, "weight_gap": gap(weights(ours), weights(theirs))}
+
+
 def train_averaging(name: str, net: nn.Module, opt: torch.optim.Optimizer, options: dict) -> dict:
     """Four steps of a model-averaging algorithm, then average(): finite, equal replicas?"""
     rank = dist.get_rank()
@@ -597,6 +616,7 @@ CHECKS: dict[str, Callable[..., dict]] = {
     "sparse_algorithms": check_sparse_algorithms,
     "sparse_averaging": check_sparse_averaging,
     "sparse_optimizer": check_sparse_optimizer,
+    "sparse_switch": check_sparse_switch,
     "create_graph_vs_ddp": check_create_graph_vs_ddp,
     "create_graph_algorithms": check_create_graph_algorithms,
     "create_graph_averaging": check_create_graph_averaging,
@@ -670,6 +690,19 @@ def test_sparse_gradient_algorithms(ranks):
             assert kind == "ValueError", r[name]
             assert "'emb.weight'" in message and name in message
             assert "algorithms that take sparse gradients: allreduce" in message
+
+
+def test_sparse_switch_refused_before_the_running_algorithm_stops(ranks):
+    for r in results(ranks, "sparse_switch"):
+        assert r["refused"][0] == "ValueError" and "'emb.weight'" in r["refused"][1], r
+        assert r["algorithm"] == "allreduce" and r["weight_gap"] == 0.0, r
+
+
+def test_sparse_refused_on_one_process_too():
+    # No group, so no gradient engine: the refusal comes from the algorithm's start.
+    opt = torch.optim.SGD(SparseNet().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'emb.weight' gets sparse gradients"):
+        unison.DataParallel(SparseNet(), optimizer=opt, algorithm="powersgd")
 
 
 def test_sparse_model_averaging(ranks):

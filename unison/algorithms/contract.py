@@ -81,6 +81,11 @@ class Algorithm(Generic[S]):
     defers_completion: ClassVar[bool] = False
     #: Whether the algorithm acts after optimizer steps, so it needs the optimizers.
     needs_optimizers: ClassVar[bool] = False
+    #: Whether it takes parameters with sparse gradients (``nn.Embedding(sparse=True)``): the
+    #: engine sums those itself with a sparse allreduce, outside the buckets; an algorithm whose
+    #: reduction must see every gradient (a compressor with error feedback) says False and is
+    #: refused at construction for such a model.
+    sparse_gradients: ClassVar[bool] = True
 
     #: Options declared the earlier way (``period = options.Int(16)``), with their checks.
     legacy_options: ClassVar[dict[str, checks.Option]] = {}
