@@ -26,6 +26,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "decentralized": {"period": PERIOD},
     "low_precision_decentralized": {"period": PERIOD},
     "diloco": {"period": PERIOD, "fragments": 1, "delay": 0},
+    "sparseloco": {"period": 8},  # no sync within STEPS: alone, its outer step is checked in test_topk_codec.py
     "async": {"sync_interval_ms": 1.0},
     "powersgd": {"start_iter": 0},
     "bytegrad": {"error_feedback": True},
@@ -45,6 +46,7 @@ SAVED_KEYS: dict[str, Any] = {
     "decentralized": {"steps", "in_flight"},
     "low_precision_decentralized": {"steps"},
     "diloco": {"steps", "snapshot", "outer_optimizer", "in_flight", "merged"},
+    "sparseloco": {"steps", "global", "feedback", "in_flight", "merged"},
     "daso": None,  # checked apart: the schedule's counters
 }
 
@@ -139,8 +141,8 @@ def test_alone_is_local_training(name):
     model.close()
 
 
-def test_the_thirteen_algorithms():
-    assert len(NAMES) == 13 and set(SAVED_KEYS) == set(NAMES)
+def test_the_fourteen_algorithms():
+    assert len(NAMES) == 14 and set(SAVED_KEYS) == set(NAMES)
 
 
 def test_diloco_alone_is_local_training_with_outer_nesterov_steps():

@@ -32,6 +32,7 @@ _BUILTIN: dict[str, str] = {
     "async": "averaging.asynchronous:AsyncModelAverage",
     "daso": "averaging.daso:DASO",
     "diloco": "averaging.diloco:DiLoCo",
+    "sparseloco": "averaging.sparseloco:SparseLoCo",
 }
 _REGISTERED: dict[str, type[Algorithm[Any]]] = {}
 

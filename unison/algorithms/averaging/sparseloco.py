@@ -1,0 +1,242 @@
+"""SparseLoCo (Sarfi et al. 2025): DiLoCo's local steps, with a sparse, 2-bit outer sync.
+
+Every ``period`` inner steps each rank adds its pseudo-gradient (the global weights at the last
+sync minus its weights) to an error-feedback buffer decayed by ``beta``, sends the buffer's
+chunk-wise top-k entries quantized to ``bits`` bits (``engine.topk``), and keeps the rest. The
+ranks all-gather the fixed-size messages, each decodes and averages them, and the outer step is
+plain descent: ``global -= outer_lr * average`` (the error feedback stands in for DiLoCo's outer
+momentum). Every rank then takes the new global weights. ``fragments`` and ``delay`` stream the
+syncs as diloco's do.
+
+See docs/algorithms.md#sparseloco.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...engine.averaging import average_async
+from ...engine.comm import Finished, Waitable, start
+from ...engine.comm import wait as comm_wait
+from ...engine.flat import Flat
+from ...engine.topk import BITS, TopK
+from ...replica import Replica
+from .. import options
+from ..schedules import StepCount
+from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
+
+
+class SparseLoCoState(StreamedState):
+    """Per fragment, the global weights and this rank's error feedback (float32 flat buffers in
+    the codec's padded layout, views shaped like the fragment's pieces), its codec and its
+    message buffers; the step count and the syncs in flight.
+
+    Saved: the global weights (shared: equal on every rank) and the error feedback (rank-local:
+    ``feedback``, as ``unison.fault.RANK_LOCAL`` names it).
+    """
+
+    __slots__ = ("names", "params", "buffers", "fragments", "globals", "errors", "codecs", "messages", "group")
+
+    def __init__(
+        self,
+        count: StepCount,
+        fragments: list[list[tuple[str, torch.Tensor]]],
+        buffers: list[torch.Tensor],
+        codecs: list[TopK],
+        group: Optional[dist.ProcessGroup],
+        world: int,
+    ) -> None:
+        super().__init__(count)
+        # hyperparameters and layout
+        self.names = [n for fragment in fragments for n, _ in fragment]
+        self.params: list[list[torch.Tensor]] = [[p for _, p in fragment] for fragment in fragments]
+        self.fragments: list[list[str]] = [[n for n, _ in fragment] for fragment in fragments]
+        self.buffers = buffers  # floating-point buffers, averaged densely with the last fragment
+        self.codecs = codecs
+        self.group = group  # None: one process, the average is this rank's own message
+        # internal state: float32 copies, allocated once (the padding stays zero)
+        with torch.no_grad():
+            self.globals = [Flat(ps, torch.float32, c.padded) for ps, c in zip(self.params, codecs)]
+            for flat in self.globals:
+                flat.load()
+            self.errors = [Flat(ps, torch.float32, c.padded) for ps, c in zip(self.params, codecs)]
+        # per fragment: this rank's message and every rank's ([world, nbytes]), reused at each sync
+        self.messages = [(c.empty(), c.empty(world)) for c in codecs]
+
+    def _by_name(self, flats: list[Flat]) -> dict[str, torch.Tensor]:
+        return {n: v.detach().clone() for f, flat in zip(self.fragments, flats) for n, v in zip(f, flat.views)}
+
+    def state_dict(self) -> dict[str, Any]:
+        streams = self.streams_state()  # first: it waits for the syncs in flight
+        return {
+            **self.count.state_dict(),
+            "global": self._by_name(self.globals),
+            "feedback": self._by_name(self.errors),
+            "in_flight": [],
+            **streams,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore exactly: the global weights, this rank's error feedback, the syncs in flight."""
+        expected = {"steps", "global", "feedback"}
+        if not expected <= set(state) <= expected | {"in_flight", "merged"}:
+            raise ValueError(
+                f"sparseloco state must have keys {sorted(expected)} (and 'in_flight', 'merged'), got {sorted(state)}"
+            )
+        for key in ("global", "feedback"):
+            missing = [n for n in self.names if n not in state[key]]
+            if missing:
+                raise ValueError(f"sparseloco state has no {key} of {missing[0]!r}: was it saved with other fragments?")
+        self.load_streams(state)
+        self.count.load_state_dict(state)
+        with torch.no_grad():
+            for key, flats in (("global", self.globals), ("feedback", self.errors)):
+                for f, flat in zip(self.fragments, flats):
+                    flat.flat.zero_()
+                    for n, v in zip(f, flat.views):
+                        v.copy_(state[key][n])
+
+
+class SparseLoCo(Streamed[SparseLoCoState]):
+    """Local training with a sparse outer step every ``period`` steps: chunk-wise top-k of an
+    error-feedback buffer, values in ``bits`` bits, averaged by all-gather, plain outer descent.
+
+    Args:
+        period: inner steps between two outer steps (SparseLoCo's H).
+        outer_lr: the outer step's learning rate (the paper's 1.0).
+        beta: the error feedback's decay, in [0, 1] (the paper's 0.95); 1 keeps it whole.
+        chunk: values per chunk (the last chunks of a fragment are evened out, so at most this).
+        density: the share of each chunk sent, in (0, 1] (the paper's 1-3%; 0.02: 82 of 4096).
+        topk: the entries per chunk, instead of ``density`` (at most ``chunk``).
+        bits: bits per value sent: 2, 4 or 8.
+        fragments, delay: how the syncs are streamed (see ``streaming.Streamed``); the default
+            is the paper's schedule, one fragment and no delay.
+
+    A message is the chunks' float32 scales, ``k`` indices per chunk in the smallest integer
+    type that holds the chunk's size (int16 for 4096), and the codes bit-packed: about
+    ``density * (16 + bits) / 32`` of fp32's bytes (2.2% at the defaults; ``engine.topk``).
+    Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
+
+    Memory: the global weights and the error feedback, in float32 (+2 P for a float32 model),
+    each rank's message (about 0.02 P per rank at the defaults) and, while a sync travels with a
+    ``delay``, its fragment's weights at launch.
+
+    Example::
+
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        model = unison.DataParallel(net, optimizer=opt, algorithm="sparseloco:period=32,density=0.01")
+    """
+
+    name = "sparseloco"
+    replicas_drift = True
+    reduces_gradients = False
+    needs_optimizers = True
+    period: int = 16
+    outer_lr: float = 1.0
+    beta: float = 0.95
+    chunk: int = 4096
+    density: float = 0.02
+    topk: Optional[int] = None
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        options.integer("period", self.period)
+        options.number("outer_lr", self.outer_lr)
+        options.number("beta", self.beta, 0.0, open_low=False)
+        if self.beta > 1:
+            raise options.OptionError("beta", "a number in [0, 1] (1: the error feedback is never decayed)", self.beta)
+        options.integer("chunk", self.chunk)
+        options.number("density", self.density)
+        if self.density > 1:
+            raise options.OptionError("density", "a number in (0, 1] (the share of each chunk sent)", self.density)
+        options.integer("topk", self.topk, optional=True)
+        if self.topk is not None and self.topk > self.chunk:
+            raise options.OptionError("topk", f"at most chunk ({self.chunk}): the entries sent per chunk", self.topk)
+        options.choice("bits", self.bits, BITS)
+        super().__post_init__()
+        if self.hierarchical:
+            raise ValueError(
+                "sparseloco does not run hierarchical yet (the node summing in full precision before the sparse "
+                "message crosses nodes); leave hierarchical=False"
+            )
+
+    def schedule(self) -> Stagger:
+        """The paper's schedule (one fragment, no delay) unless ``fragments`` or ``delay`` is given."""
+        fragments = 1 if self.fragments is None else self.fragments
+        return default_schedule(self.period, fragments, 0 if self.delay is None else self.delay)
+
+    def setup(self, replica: Replica) -> SparseLoCoState:
+        self.check_optimizers(replica)
+        buffers = [b for _, b in replica.float_buffers] if replica.broadcast_buffers else []
+        group = replica.private_group("sparseloco") if replica.distributed else None
+        world = dist.get_world_size(group) if group is not None else 1
+        fragments = fragments_of(replica.trainable, self.schedule().fragments)
+        codecs = [
+            TopK(sum(p.numel() for _, p in f), self.chunk, self.density, self.topk, self.bits, f[0][1].device)
+            for f in fragments
+        ]
+        state = SparseLoCoState(StepCount(self.period), fragments, buffers, codecs, group, world)
+        self.stream(replica, state, len(fragments))
+        return state
+
+    def launch(self, replica: Replica, state: SparseLoCoState, fragment: int) -> tuple[Waitable, Any]:
+        """Fold ``fragment``'s pseudo-gradient into its error feedback, encode its top-k (the rest
+        stays in the feedback) and start the all-gather; keep its weights if merged late."""
+        f, params = fragment, state.params[fragment]
+        error, codec = state.errors[f], state.codecs[f]
+        mine, everyone = state.messages[f]
+        with torch.no_grad():
+            if self.beta != 1:
+                error.flat.mul_(self.beta)
+            error.flat.add_(state.globals[f].flat)  # + global - params: the pseudo-gradient
+            torch._foreach_sub_(error.views, [p.detach() for p in params])
+            codec.encode(error.flat, mine)
+            error.flat[error.numel :].zero_()  # a padding entry sent (as any value, never 0) is not kept
+            at_launch = [p.detach().clone() for p in params] if state.late else None
+            buffers = state.buffers if f == len(state.params) - 1 else []
+            if state.group is None:
+                return Finished([mine.view(1, -1)] + [b.detach().clone() for b in buffers]), at_launch
+            pending = Exchange(mine, everyone, state.group, buffers)
+        state.bytes_sent += pending.wire_bytes
+        return pending, at_launch
+
+    def merge(self, replica: Replica, state: SparseLoCoState, fragment: int, result: Any, extra: Any) -> None:
+        """The outer step on ``fragment``: ``global -= outer_lr * mean(decoded messages)``, then
+        the weights take the new global weights (keeping the local steps taken meanwhile if late)."""
+        f, at_launch = fragment, extra
+        messages, averaged = result[0], result[1:]
+        glob, codec = state.globals[f], state.codecs[f]
+        with torch.no_grad():
+            alpha = -self.outer_lr / messages.shape[0]
+            for message in messages:  # in rank order: every rank adds the same values in the same order
+                codec.decode_add(message, glob.flat, alpha)
+            glob.flat[glob.numel :].zero_()
+            params = [p.detach() for p in state.params[f]]
+            if at_launch is None:
+                torch._foreach_copy_(params, glob.views)
+            else:  # keep the local steps taken while the sync travelled
+                torch._foreach_add_(params, torch._foreach_sub(glob.views, at_launch))
+            if averaged:
+                torch._foreach_copy_([b.detach() for b in state.buffers], averaged)
+
+
+class Exchange:
+    """Every rank's message (``everyone[r]`` is rank ``r``'s), gathered from ``mine``, and the
+    dense average of ``buffers``, launched at construction; ``wait()`` gives ``[everyone, *averages]``.
+    ``wire_bytes``: what this rank sends (its message to each other rank, and its buffers)."""
+
+    def __init__(
+        self, mine: torch.Tensor, everyone: torch.Tensor, group: dist.ProcessGroup, buffers: list[torch.Tensor]
+    ) -> None:
+        world = dist.get_world_size(group)
+        self._everyone = everyone
+        self._work = start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
+        self._buffers = average_async(buffers, group) if buffers else None
+        self.wire_bytes = (world - 1) * mine.numel() + (self._buffers.wire_bytes if self._buffers else 0)
+
+    def wait(self) -> list[torch.Tensor]:
+        comm_wait(self._work)
+        return [self._everyone, *(self._buffers.wait() if self._buffers is not None else [])]

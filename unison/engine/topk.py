@@ -1,0 +1,182 @@
+"""Chunk-wise top-k with low-bit values: SparseLoCo's wire format (pure tensors, no communication).
+
+A flat tensor is cut into equal chunks (``layout``); each chunk sends its ``k`` entries of
+largest magnitude: their positions in the chunk (in the smallest integer type that holds the
+chunk's size) and their values quantized to ``bits`` bits (2, 4 or 8) on a symmetric grid of
+``2**bits`` levels scaled by one float32 per chunk. Every message of a codec has the same size,
+so the ranks exchange them with one all-gather of equal buffers; each rank decodes every
+message (``decode_add``: a scatter-add into a dense target).
+
+Layout of one message (uint8, a multiple of 4 bytes): the chunks' scales (float32), the
+indices (``[chunks, k]``), then the codes bit-packed ``8 // bits`` to a byte, low bits first.
+
+See docs/algorithms.md#sparseloco.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: Values per block of ``TopK.encode``'s loop: a block's magnitudes fit a core's L2 cache.
+BLOCK = 1 << 18
+BITS = (2, 4, 8)
+CPU = torch.device("cpu")
+
+
+def layout(numel: int, chunk: int) -> tuple[int, int]:
+    """``(chunks, size)``: ``numel`` values cut into the fewest chunks of at most ``chunk``
+    values, all of one size (the last padded by fewer than ``chunks`` values)."""
+    chunks = max(1, -(-numel // chunk))
+    return chunks, max(1, -(-numel // chunks))
+
+
+def index_dtype(size: int) -> torch.dtype:
+    """The smallest integer type that holds every position in a chunk of ``size`` values."""
+    return torch.uint8 if size <= 1 << 8 else torch.int16 if size <= 1 << 15 else torch.int32
+
+
+def pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Pack ``codes`` (flat uint8, each below ``2**bits``, a multiple of ``8 // bits`` of them)
+    into ``out`` (uint8, ``len(codes) * bits // 8`` bytes), low bits first; returns ``out``."""
+    per = 8 // bits
+    grouped = codes.view(-1, per)
+    out.copy_(grouped[:, 0])
+    for j in range(1, per):
+        out.bitwise_or_(grouped[:, j] << (bits * j))
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The codes ``pack`` packed into ``packed``: uint8, ``8 // bits`` per byte."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    if out is None:
+        out = torch.empty(packed.numel() * per, dtype=torch.uint8, device=packed.device)
+    grouped = out.view(-1, per)
+    for j in range(per):
+        torch.bitwise_and(packed >> (bits * j), mask, out=grouped[:, j])
+    return out
+
+
+class TopK:
+    """The top-k message of ``numel`` values, with its layout and a small reusable scratch.
+
+    Args:
+        numel: values in the flat tensors it encodes.
+        chunk: at most this many values per chunk (``layout``).
+        density: the share of each chunk sent, ``k = round(density * size)`` (at least 1).
+        topk: ``k`` itself (at most the chunk's size), instead of ``density``.
+        bits: bits per value: 2, 4 or 8.
+        device: where the scratch lives (the tensors' device).
+
+    The values are quantized on ``2**bits`` levels symmetric about zero, ``(q - (L-1)/2) * scale``
+    for ``q`` in ``0..L-1``, with ``scale = 2 max|v| / (L-1)``: the chunk's largest value is sent
+    exactly, each other to within ``scale / 2``; a chunk of zeros has scale 0 and decodes to zeros.
+
+    Example::
+
+        codec = TopK(x.numel(), chunk=4096, density=0.02, bits=2)
+        e = torch.zeros(codec.padded); e[: x.numel()] = x
+        message = codec.encode(e, codec.empty())   # e keeps what was not sent
+        y = torch.zeros(codec.padded); codec.decode_add(message, y)
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        chunk: int = 4096,
+        density: float = 0.02,
+        topk: Optional[int] = None,
+        bits: int = 2,
+        device: torch.device = CPU,
+    ) -> None:
+        if bits not in BITS:
+            raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
+        if chunk < 1 or numel < 1:
+            raise ValueError(f"chunk and numel must be positive integers, got chunk={chunk!r}, numel={numel!r}")
+        if topk is None and not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if topk is not None and topk < 1:
+            raise ValueError(f"topk must be a positive integer, got {topk!r}")
+        self.numel, self.bits, self.device = numel, bits, torch.device(device)
+        self.chunks, self.size = layout(numel, chunk)
+        self.k = min(self.size, topk if topk is not None else max(1, round(density * self.size)))
+        self.levels = 1 << bits
+        self.half = (self.levels - 1) / 2
+        self.index_dtype = index_dtype(self.size)
+        width = torch.empty((), dtype=self.index_dtype).element_size()
+        count = self.chunks * self.k
+        self.codes_count = -(-count // (8 // bits)) * (8 // bits)  # whole bytes of codes
+        self._scales = (0, 4 * self.chunks)
+        self._indices = (self._scales[1], self._scales[1] + width * count)
+        self._codes = (self._indices[1], self._indices[1] + self.codes_count * bits // 8)
+        self.nbytes = -(-self._codes[1] // 4) * 4
+        self.block = max(1, min(self.chunks, BLOCK // self.size))
+        self._magnitudes = torch.empty(self.block, self.size, dtype=torch.float32, device=self.device)
+        self._codes_buffer = torch.zeros(self.codes_count, dtype=torch.uint8, device=self.device)
+
+    @property
+    def padded(self) -> int:
+        """Values of a padded flat tensor in this layout: ``chunks * size``."""
+        return self.chunks * self.size
+
+    def empty(self, rows: Optional[int] = None) -> torch.Tensor:
+        """A new message (``rows``: that many messages, ``[rows, nbytes]``)."""
+        shape = (self.nbytes,) if rows is None else (rows, self.nbytes)
+        return torch.zeros(shape, dtype=torch.uint8, device=self.device)
+
+    def parts(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one message: scales ``[chunks]`` (float32), indices ``[chunks, k]``, packed codes."""
+        s, i, c = self._scales, self._indices, self._codes
+        scales = message[s[0] : s[1]].view(torch.float32)
+        indices = message[i[0] : i[1]].view(self.index_dtype).view(self.chunks, self.k)
+        return scales, indices, message[c[0] : c[1]]
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Values of ``codes`` (``[c, k]``) in chunks of ``scales`` (``[c]``): new float32 ``[c, k]``."""
+        return codes.float().sub_(self.half).mul_(scales[:, None])
+
+    def encode(self, values: torch.Tensor, message: torch.Tensor, feedback: bool = True) -> torch.Tensor:
+        """Top-k of ``values`` (flat float32, ``padded`` long) into ``message``; returns ``message``.
+
+        With ``feedback`` what is sent (dequantized) is subtracted from ``values``, which keep the
+        rest (error feedback): afterwards ``values + decode(message)`` is what ``values`` was.
+        """
+        grid = values.view(self.chunks, self.size)
+        scales, indices, packed = self.parts(message)
+        codes = self._codes_buffer[: self.chunks * self.k].view(self.chunks, self.k)
+        for c0 in range(0, self.chunks, self.block):
+            rows = grid[c0 : c0 + self.block]
+            magnitudes = torch.abs(rows, out=self._magnitudes[: rows.shape[0]])
+            top, where = torch.topk(magnitudes, self.k, dim=1, sorted=False)
+            chosen = torch.gather(rows, 1, where)
+            scale = torch.amax(top, dim=1).mul_(2 / (self.levels - 1))
+            inverse = torch.reciprocal(scale).nan_to_num_(0.0, 0.0, 0.0)  # scale 0 (or not finite): factor 0
+            q = chosen.mul_(inverse[:, None]).add_(self.half).round_().clamp_(0, self.levels - 1)
+            codes[c0 : c0 + rows.shape[0]].copy_(q)
+            scales[c0 : c0 + rows.shape[0]].copy_(scale)
+            indices[c0 : c0 + rows.shape[0]].copy_(where)
+            if feedback:
+                rows.scatter_add_(1, where, q.sub_(self.half).mul_(scale[:, None]).neg_())
+        pack(self._codes_buffer, self.bits, packed)
+        return message
+
+    def decode_add(self, message: torch.Tensor, target: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``target += alpha * decode(message)`` (``target`` flat float32, ``padded`` long); returns it.
+
+        One scatter-add with no repeated position (a chunk's indices differ): deterministic on
+        every device, so ranks adding the same messages in the same order get the same bits.
+        """
+        scales, indices, packed = self.parts(message)
+        codes = unpack(packed, self.bits)[: self.chunks * self.k].view(self.chunks, self.k)
+        values = self.dequantize(codes, scales)
+        if alpha != 1.0:
+            values.mul_(alpha)
+        target.view(self.chunks, self.size).scatter_add_(1, indices.long(), values)
+        return target
+
+    def decode(self, message: torch.Tensor) -> torch.Tensor:
+        """The dense values ``message`` carries: new float32, ``numel`` long."""
+        out = torch.zeros(self.padded, dtype=torch.float32, device=message.device)
+        return self.decode_add(message, out)[: self.numel]
