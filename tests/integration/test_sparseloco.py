@@ -1,0 +1,199 @@
+"""SparseLoCo on 2 and 4 gloo ranks: every sync against the update written by hand
+(tests/unit/topk_reference.py), equal replicas after a sync, the bytes counted, exact resume by
+unison.save/load (between syncs and with a sync in flight), switch_to in and out."""
+
+from __future__ import annotations
+
+import launch
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import MLP, batch
+from scenarios import spread_across_ranks
+
+import unison
+from tests.unit.topk_reference import sparseloco_sync
+
+# (options, steps): 2-bit values with uint8 indices (chunks of 248) and decay; 4-bit with int16
+# indices (chunks of 866), a fixed k and beta = 1; 8-bit, one chunk, a period of 1.
+CASES = [
+    ({"period": 3, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8}, 9),
+    ({"period": 2, "chunk": 1000, "topk": 20, "bits": 4, "beta": 1.0, "outer_lr": 1.0}, 6),
+    ({"period": 1, "chunk": 4096, "density": 0.02, "bits": 8, "beta": 0.5, "outer_lr": 0.7}, 3),
+]
+
+
+def flat(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def train_step(model, opt, x, y) -> float:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def check_against_reference() -> list[dict]:
+    """Each rank computes every rank's error feedback and the global weights by hand from the
+    weights the inner steps left (gathered densely), and compares them with what it holds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for options, steps in CASES:
+        torch.manual_seed(0)
+        net = MLP()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        inner: list = []  # registered before the wrapper's hook: after the inner step, before the outer one
+        opt.register_step_post_hook(lambda o, _a, _k, inner=inner, net=net: inner.append(flat(net)))
+        glob = flat(net)
+        model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("sparseloco", **options))
+        codec = model.algorithm_state.codecs[0]
+        errors = [torch.zeros_like(glob) for _ in range(world)]
+        gaps, feedback_gaps, spreads, syncs = [], [], [], 0
+        for s in range(steps):
+            train_step(model, opt, *batch(s, rank))
+            spreads.append(spread_across_ranks(net))
+            if (s + 1) % options["period"] == 0:
+                weights = [torch.empty_like(glob) for _ in range(world)]
+                dist.all_gather(weights, inner[-1])
+                k, chunk, bits = codec.k, options["chunk"], options["bits"]
+                glob = sparseloco_sync(
+                    glob,
+                    errors,
+                    weights,
+                    beta=options["beta"],
+                    outer_lr=options["outer_lr"],
+                    chunk=chunk,
+                    k=k,
+                    bits=bits,
+                )
+                gaps.append((flat(net) - glob).abs().max().item())
+                mine = model.algorithm_state.errors[0].flat[: glob.numel()]
+                feedback_gaps.append((mine - errors[rank]).abs().max().item())
+                syncs += 1
+        out.append(
+            {
+                "gaps": gaps,
+                "feedback_gaps": feedback_gaps,
+                "spreads": spreads,
+                "period": options["period"],
+                "bytes": model.comm_stats["bytes_total"],
+                "expected_bytes": syncs * (world - 1) * codec.nbytes,
+                "moved": (glob - inner[0]).abs().max().item(),
+            }
+        )
+        model.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_sync_is_the_hand_written_update(world):
+    for rank_results in launch.run(check_against_reference, world, timeout=120):
+        for r in rank_results:
+            assert len(r["gaps"]) == len(r["spreads"]) // r["period"]
+            assert max(r["gaps"]) < 1e-6, r["gaps"]
+            assert max(r["feedback_gaps"]) < 1e-6, r["feedback_gaps"]
+            assert r["moved"] > 1e-3
+            for s, spread in enumerate(r["spreads"], 1):
+                if s % r["period"] == 0:
+                    assert spread == 0.0, (s, r["spreads"])  # bit for bit: the same messages added in order
+                else:
+                    assert spread > 1e-5, (s, r["spreads"])
+            assert r["bytes"] == r["expected_bytes"] > 0
+
+
+# (spec, save at): between two syncs; and streamed, fragment 1's sync (launched at step 4) in flight
+RESUMED = [
+    ("sparseloco:period=3,chunk=256,density=0.05,beta=0.9", 5),
+    ("sparseloco:period=4,fragments=2,delay=1,chunk=256,density=0.05,bits=4", 4),
+]
+STEPS = 10
+
+
+def build(spec: str, seed: int):
+    torch.manual_seed(seed)
+    net = MLP()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    return unison.DataParallel(net, optimizer=opt, algorithm=spec), net, opt
+
+
+def check_resume(path: str) -> dict:
+    """10 steps straight, or 5 (4) + save + other weights + load + the rest: the same bits."""
+    rank, out = dist.get_rank(), {}
+    for spec, save_at in RESUMED:
+        model, net, opt = build(spec, 0)
+        for s in range(STEPS):
+            train_step(model, opt, *batch(s, rank))
+        straight, feedback = flat(net), [e.flat.clone() for e in model.algorithm_state.errors]
+        model.close()
+
+        model, net, opt = build(spec, 0)
+        for s in range(save_at):
+            train_step(model, opt, *batch(s, rank))
+        in_flight = bool(model.algorithm_state.streams.inflight)
+        unison.save(path, model, opt, step=save_at)
+        model.close()
+
+        model, net, opt = build(spec, 1)
+        state = unison.load(path, model, opt)
+        for s in range(state["step"], STEPS):
+            train_step(model, opt, *batch(s, rank))
+        out[spec] = {
+            "in_flight": in_flight,
+            "weights": (flat(net) - straight).abs().max().item(),
+            "feedback": max((e.flat - f).abs().max().item() for e, f in zip(model.algorithm_state.errors, feedback)),
+            "nonzero_feedback": all(f.abs().sum().item() > 0 for f in feedback),
+        }
+        model.close()
+    return out
+
+
+def test_save_and_load_resume_exactly(tmp_path):
+    for r in launch.run(check_resume, 2, str(tmp_path / "ckpt.pt"), timeout=120):
+        assert [r[spec]["in_flight"] for spec, _ in RESUMED] == [False, True]
+        for spec, _ in RESUMED:
+            assert r[spec]["weights"] == 0.0 and r[spec]["feedback"] == 0.0, (spec, r[spec])
+            assert r[spec]["nonzero_feedback"], spec
+
+
+def check_switch() -> dict:
+    """allreduce -> sparseloco (its global weights are the weights) -> allreduce, classic and
+    streamed with a sync in flight at the switch: replicas equal after each switch out."""
+    rank, out = dist.get_rank(), {"spreads": [], "losses": []}
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    model = unison.DataParallel(net, optimizer=opt)
+    step = 0
+    for spec, steps in (
+        ("sparseloco:period=2,chunk=256,density=0.1", 5),
+        ("sparseloco:period=4,fragments=2,delay=1", 6),
+    ):
+        for _ in range(2):
+            out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
+            step += 1
+        model.switch_to(spec)
+        glob = torch.cat([g.flat[: g.numel] for g in model.algorithm_state.globals])
+        out.setdefault("global_is_weights", []).append(torch.equal(glob, flat(net)))
+        for _ in range(steps):
+            out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
+            step += 1
+        out.setdefault("drifted", []).append(spread_across_ranks(net) > 0)
+        out.setdefault("in_flight", []).append(bool(model.algorithm_state.streams.inflight))
+        model.switch_to("allreduce")
+        out["spreads"].append(spread_across_ranks(net))
+    for _ in range(4):
+        out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
+        step += 1
+    model.close()
+    return out
+
+
+def test_switch_to_in_and_out():
+    for r in launch.run(check_switch, 2, timeout=60):
+        assert r["global_is_weights"] == [True, True]
+        assert r["drifted"] == [True, True] and r["in_flight"] == [False, True]
+        assert r["spreads"] == [0.0, 0.0]
+        assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
