@@ -312,11 +312,11 @@ def after_warmup_and_round_trip():
         "bytes_compressed": db.comm_stats["bytes_last_step"],
     }
 
-    # The momentum the algorithm keeps is the one the optimizer steps with.
-    momentum = db.algorithm_state.state_dict()["momentum"]
-    out["momentum_is_exp_avg"] = all(
-        torch.equal(momentum[n], ob.state[p]["exp_avg"]) for n, p in db.module.named_parameters()
-    )
+    # The algorithm keeps no momentum of its own (it reads the optimizer's exp_avg); a checkpoint from
+    # a version that saved a copy of it ("momentum") still loads.
+    out["algorithm_state"] = db.algorithm_state.state_dict()
+    old = {"momentum": {n: ob.state[p]["exp_avg"].clone() for n, p in db.module.named_parameters()}}
+    db.algorithm_state.load_state_dict(old)
 
     model_state, opt_state = copy.deepcopy(db.state_dict()), copy.deepcopy(ob.state_dict())
     torch.manual_seed(123)
@@ -327,12 +327,11 @@ def after_warmup_and_round_trip():
         train_step(db, ob, *regression(s, rank))
         train_step(fresh, fresh_opt, *regression(s, rank))
     out["round_trip_diff"] = max_diff(db, fresh)
-    after, restored = db.algorithm_state.state_dict()["momentum"], fresh.algorithm_state.state_dict()["momentum"]
-    out["round_trip_momentum"] = sorted(after) == sorted(restored) and all(
-        torch.equal(after[n], restored[n]) for n in after
+    out["round_trip_momentum"] = all(
+        torch.equal(ob.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
+        for p, q in zip(db.module.parameters(), fresh.module.parameters())
     )
     out["saved_momentum"] = len(model_state.get("_unison_algorithm", {}).get("state", {}).get("momentum", {}))
-    out["params"] = len(list(db.parameters()))
     return out
 
 
@@ -382,8 +381,8 @@ def test_qadam_sends_fewer_bytes_after_warmup(qadam_results):
 def test_qadam_state_round_trip(qadam_results):
     for r in qadam_results:
         after = r["after"]
-        assert after["momentum_is_exp_avg"]
-        assert after["saved_momentum"] == after["params"]
+        assert after["algorithm_state"] == {}
+        assert after["saved_momentum"] == 0
         assert after["round_trip_diff"] == 0.0
         assert after["round_trip_momentum"]
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from ...engine.buckets import Bucket, split
 from ...engine.comm import CommThread, Waitable, ring_bytes, start
-from ...engine.flatstate import FlatState
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
@@ -29,12 +28,21 @@ from .qadam_optimizer import QAdamOptimizer, beta1_like
 
 #: Values per 8-bit quantization chunk (as bytegrad's default).
 CHUNK_SIZE = 1024
+#: The most values a denominator is computed over at once (4 MiB of float32).
+PIECE = 1 << 20
 
 
 class QAdamState(ThreadedState):
-    """The optimizer, the flat momenta (saved), the buckets' exchanges and denominators, group and thread."""
+    """The optimizer, the buckets' exchanges, group and thread.
 
-    __slots__ = ("optimizer", "momentum", "seeded", "compressing", "exchanges", "denominators", "levels")
+    It keeps no momentum of its own: after every 8-bit step the optimizer's
+    ``exp_avg`` is the averaged momentum (the gradient it copies), so the next
+    step reads it there; and no denominators: they are computed a piece at a time
+    from the frozen ``exp_avg_sq`` where they are used (the same values, the same
+    bits). Its memory is the exchanges' message buffers only (about 0.1 P).
+    """
+
+    __slots__ = ("optimizer", "compressing", "exchanges", "levels")
 
     def __init__(
         self, optimizer: QAdamOptimizer, group: Optional[dist.ProcessGroup] = None, thread: Optional[CommThread] = None
@@ -42,22 +50,18 @@ class QAdamState(ThreadedState):
         super().__init__(group, thread)
         self.levels: Optional[TwoLevel] = None  # with hierarchical=True (its thread is the state's)
         self.optimizer = optimizer
-        self.momentum = FlatState()
-        self.seeded: set[str] = set()  # parameters whose momentum started from the optimizer's exp_avg
         self.compressing = False  # whether the last bucket launched went through the 8-bit exchange
         self.exchanges: dict[int, Any] = {}
-        self.denominators: dict[int, tuple[Any, ...]] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": self.momentum.state_dict()} if self.seeded else {}
+        return {}  # the momentum is the optimizer's exp_avg: its state dict holds it
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Accepts the ``momentum`` entry older versions saved, and ignores it: it was a copy of the
+        optimizer's ``exp_avg`` after each step, which the optimizer's own state dict restores."""
         unknown = sorted(set(state) - {"momentum"})
         if unknown:
-            raise ValueError(f"qadam state has unknown entries {unknown}; expected 'momentum'")
-        momentum = state.get("momentum", {})
-        self.momentum.load_state_dict(momentum)
-        self.seeded = set(momentum)
+            raise ValueError(f"qadam state has unknown entries {unknown}; expected none (or an old 'momentum')")
 
 
 class QAdam(Algorithm[QAdamState]):
@@ -119,16 +123,20 @@ class QAdam(Algorithm[QAdamState]):
             return state.running_thread().submit(h.run, bucket.flat, h.allreduce)
         if bucket.flat.dtype != torch.float32:
             raise TypeError(f"qadam averages float32 momenta; bucket {bucket.index} holds {bucket.flat.dtype}")
-        momentum = state.momentum.get(bucket)
-        _seed(state, bucket, momentum)
-        # bucket.flat holds g_local / world: make it m_local / world, whose sum over ranks is the average.
+        # bucket.flat holds g_local / world: make it m_local / world, whose sum over ranks is the average
+        # (m: the optimizer's exp_avg, which is the last step's averaged momentum; zero where it has none).
+        momenta = [opt.state.get(p, {}).get("exp_avg") for p in bucket.params]
+        held = [i for i, m in enumerate(momenta) if m is not None]
         beta1 = beta1_like(opt, bucket)
         if isinstance(beta1, float):
-            bucket.flat.mul_(1 - beta1).add_(momentum, alpha=beta1 / world)
+            bucket.flat.mul_(1 - beta1)
+            torch._foreach_add_([bucket.views[i] for i in held], [momenta[i] for i in held], alpha=beta1 / world)
         else:
-            bucket.flat.mul_(1 - beta1).addcmul_(momentum, beta1, value=1.0 / world)
-        denom, inverse = _denominator(state, bucket)
-        bucket.flat.mul_(inverse)  # 0 where the denominator is 0
+            bucket.flat.mul_(1 - beta1)
+            betas = split(beta1, bucket.views)
+            for i in held:
+                bucket.views[i].addcmul_(momenta[i], betas[i], value=1.0 / world)
+        _scale(opt, bucket, inverse=True)  # the update direction; 0 where the denominator is 0
         opt.grads_hold_momentum = True
         reduce: Callable[[torch.Tensor], Any]
         if h is None:
@@ -136,7 +144,7 @@ class QAdam(Algorithm[QAdamState]):
         else:
             ex = bucket_exchange(state.exchanges, bucket, h.nodes, CHUNK_SIZE, h.shard_numel(bucket.flat.numel()))
             reduce = partial(h.run, cross=partial(exchange_cross, h, ex, None))
-        return state.running_thread().submit(_average, reduce, bucket.flat, momentum, denom)
+        return state.running_thread().submit(_average, reduce, opt, bucket)
 
     def bucket_wire_bytes(self, replica: Replica, state: QAdamState, bucket: Bucket, world_size: int) -> int:
         h, n = state.levels, bucket.flat.numel()
@@ -149,62 +157,45 @@ class QAdam(Algorithm[QAdamState]):
         return super().bucket_wire_bytes(replica, state, bucket, world_size)
 
 
-def _average(
-    reduce: Callable[[torch.Tensor], Any], flat: torch.Tensor, momentum: torch.Tensor, denom: torch.Tensor
-) -> torch.Tensor:
-    """On the CommThread: average the update directions in 8 bits, then turn them back into momenta.
+def _average(reduce: Callable[[torch.Tensor], Any], opt: QAdamOptimizer, bucket: Bucket) -> torch.Tensor:
+    """On the CommThread: average the update directions in 8 bits, then turn them back into momenta
+    (the gradients the optimizer copies into its exp_avg).
 
     Dividing by the frozen denominator (the same on every rank) commutes with
     averaging and puts the rounding error on the update's scale (see docs).
     """
-    reduce(flat)  # the Exchange, or the two levels with the Exchange across nodes
-    flat.mul_(denom)
-    momentum.copy_(flat)
-    return flat
+    reduce(bucket.flat)  # the Exchange, or the two levels with the Exchange across nodes
+    _scale(opt, bucket, inverse=False)
+    return bucket.flat
 
 
-def _denominator(state: QAdamState, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """The optimizer's frozen ``sqrt(exp_avg_sq_hat) + eps`` laid out like the bucket, and its inverse.
+def _scale(opt: QAdamOptimizer, bucket: Bucket, inverse: bool) -> None:
+    """Multiply each parameter's part of ``bucket.flat`` by the optimizer's frozen
+    ``sqrt(exp_avg_sq_hat) + eps`` (with ``inverse``: by its inverse), 0 where the variance is 0
+    (those coordinates never move after the warm-up) or missing.
 
-    Both are 0 where the variance is 0 (those coordinates never move after
-    the warm-up). Computed once per bucket while the optimizer holds the same
-    variance tensors and settings (a reloaded optimizer state is noticed).
+    Computed where it is used, at most ``PIECE`` values at a time, rather than kept: the
+    variance is frozen after the warm-up, so this is the same every step, bit for bit what
+    a cached copy held, without keeping two copies of the parameters.
     """
-    opt = state.optimizer
     settings = {id(p): group for group in opt.param_groups for p in group["params"]}
-    variances = [opt.state.get(p, {}).get("exp_avg_sq") for p in bucket.params]
-    key = (
-        tuple(
-            (id(v), None if v is None else v._version, settings[id(p)]["eps"], settings[id(p)]["betas"][1])
-            for v, p in zip(variances, bucket.params)
-        ),
-        opt.warmup_steps,
-    )
-    cached = state.denominators.get(bucket.index)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    denom = torch.empty_like(bucket.flat)
-    for view, p, variance in zip(split(denom, bucket.views), bucket.params, variances):
+    for view, p in zip(bucket.views, bucket.params):
+        variance = opt.state.get(p, {}).get("exp_avg_sq")
         if variance is None:
-            view.zero_()
+            view.mul_(0.0)
             continue
         group = settings[id(p)]
-        correction = 1 - group["betas"][1] ** opt.warmup_steps
-        torch.sqrt(variance, out=view).div_(math.sqrt(correction)).add_(group["eps"])
-        view.masked_fill_(variance == 0, 0.0)
-    inverse = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
-    state.denominators[bucket.index] = (key, denom, inverse)
-    return denom, inverse
+        root_correction = math.sqrt(1 - group["betas"][1] ** opt.warmup_steps)
+        for part, v in _pieces(view, variance):
+            denom = torch.sqrt(v).div_(root_correction).add_(group["eps"])
+            denom.masked_fill_(v == 0, 0.0)
+            part.mul_(torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)) if inverse else denom)
 
 
-def _seed(state: QAdamState, bucket: Bucket, momentum: torch.Tensor) -> None:
-    """At the end of warm-up, start each parameter's momentum from the optimizer's exp_avg."""
-    fresh = [i for i, name in enumerate(bucket.names) if name not in state.seeded]
-    if not fresh:
-        return
-    views = split(momentum, bucket.views)
-    for i in fresh:
-        exp_avg = state.optimizer.state.get(bucket.params[i], {}).get("exp_avg")
-        if exp_avg is not None:
-            views[i].copy_(exp_avg)
-        state.seeded.add(bucket.names[i])
+def _pieces(view: torch.Tensor, variance: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``view`` and ``variance`` (shaped alike) in matching pieces of at most ``PIECE`` values (whole
+    when the variance is not contiguous): what a denominator is computed over at a time."""
+    if view.numel() <= PIECE or not (view.is_contiguous() and variance.is_contiguous()):
+        return [(view, variance)]
+    f, v = view.view(-1), variance.view(-1)
+    return [(f[i : i + PIECE], v[i : i + PIECE]) for i in range(0, f.numel(), PIECE)]
