@@ -12,10 +12,19 @@ keys of the TCPStore it hosts (no training rank hosts it, so any rank may die):
 - ``ft/rebuild/<e>``: a member failed without a membership change (its group could not be built,
   or a collective failed before a death was noticed): the same members are published again.
 - ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
-  (too few members) or by a worker (the job's state is lost), then nobody is respawned.
+  (too few members, start-up failures, a stop signal) or by a worker (the job's state is lost),
+  then nobody is respawned.
+- ``ft/step``: the committed step, when a worker writes it; only the status page reads it.
 
 The coordinator learns of a child's death at once (``poll``) and of a hang by
-a heartbeat that stopped moving. It never signals a member.
+a heartbeat that stopped moving. It never signals a member while the job runs;
+it stops its own workers (each in a session of its own, so its process group is
+the worker and its children) when it ends or is told to stop: SIGTERM, SIGINT or
+SIGHUP to the launcher (then it exits 128 + the signal), a start-up failure it
+will not retry (see ``Settings.max_start_failures``), or an error of its own.
+It forwards each worker's stderr to its own, keeping the last lines to show
+when the worker fails at start-up. A read-only status page (``status_page``)
+shows ``status()``.
 
 What it sees goes to the ``unison.launch`` logger: regroups, leaves and
 respawns at INFO, failures at WARNING, an abort at ERROR (``unison launch``
@@ -24,26 +33,37 @@ shows INFO and above).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
+import threading
 import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
+
+from .status_page import StatusPage
 
 logger = logging.getLogger("unison.launch")
 
 #: The level of each kind of note (``Coordinator.note``); any other kind is INFO.
-LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR}
+LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR, "stop": logging.WARNING}
 
 #: Seconds a heartbeat may stand still before its worker is evicted.
 STALE_S = 2.0
 #: Seconds between two looks at children and keys.
 TICK_S = 0.02
+#: Seconds a worker has between SIGTERM and SIGKILL when the launcher stops it.
+STOP_GRACE_S = 5.0
+#: Signals that stop the launcher and its workers (then it exits 128 + the signal).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Lines of a worker's stderr shown when it fails at start-up (and bytes kept to find them).
+TAIL_LINES, TAIL_BYTES = 25, 16384
 
 
 @dataclasses.dataclass
@@ -58,6 +78,11 @@ class Settings:
         join_timeout: seconds the members may stay below ``min_replicas``.
         stale_s: seconds of heartbeat silence before a worker is evicted.
         expected: workers to wait for before the first membership (default nproc).
+        max_start_failures: stop the job after this many workers in a row exited by themselves
+            before joining (a script that fails before ``unison.init()``: every replacement
+            would fail the same way), as torchrun's ``--max-restarts`` bounds restarts.
+        status_port: serve the status page on this port (0: one the OS picks; None: no page).
+        status_host: the address the status page listens on (loopback: this machine only).
     """
 
     nproc: int = 0
@@ -67,6 +92,9 @@ class Settings:
     join_timeout: float = 30.0
     stale_s: float = STALE_S
     expected: Optional[int] = None
+    max_start_failures: int = 3
+    status_port: Optional[int] = None
+    status_host: str = "127.0.0.1"
 
 
 @dataclasses.dataclass
@@ -76,6 +104,47 @@ class Worker:
     beat: int = -1
     beat_seen: float = 0.0
     state: str = "starting"  # starting, waiting, member, finished, dead, evicted, left
+    pid: Optional[int] = None
+    started_at: Optional[float] = None
+    joined_at: Optional[float] = None
+    ended_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    stderr: Optional["StderrTail"] = None
+
+
+class StderrTail:
+    """Copy a worker's stderr to the launcher's (fd 2) as it comes, keeping its last bytes."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.kept: collections.deque[bytes] = collections.deque()
+        self.size = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._copy, name="unison-stderr", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        fd = self.pipe.fileno()
+        while chunk := os.read(fd, 65536):
+            view = memoryview(chunk)
+            while view:
+                try:
+                    view = view[os.write(2, view) :]
+                except OSError:  # the launcher's stderr is gone: keep the tail all the same
+                    break
+            with self.lock:
+                self.kept.append(chunk)
+                self.size += len(chunk)
+                while self.size - len(self.kept[0]) >= TAIL_BYTES:
+                    self.size -= len(self.kept.popleft())
+        self.pipe.close()
+
+    def lines(self, wait: float = 1.0) -> list[str]:
+        """The last ``TAIL_LINES`` lines (after waiting up to ``wait`` s for the pipe's end)."""
+        self.thread.join(wait)
+        with self.lock:
+            text = b"".join(self.kept).decode(errors="replace")
+        return text.rstrip("\n").splitlines()[-TAIL_LINES:]
 
 
 class Coordinator:
@@ -96,9 +165,20 @@ class Coordinator:
             raise ValueError(f"--min-replicas must be at least 1, got {settings.min_replicas}")
         if settings.nproc and settings.min_replicas > settings.nproc:
             raise ValueError(f"--min-replicas {settings.min_replicas} is more than --nproc {settings.nproc}")
+        if settings.max_start_failures < 1:
+            raise ValueError(f"--max-start-failures must be at least 1, got {settings.max_start_failures}")
         self.settings, self.command = settings, list(command or [])
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-        self.port = self.store.port  # the port bound (the OS's choice when asked for 0)
+        self.host, self.port = host, self.store.port  # the port bound (the OS's choice when asked for 0)
+        self.page: Optional[StatusPage] = None
+        if settings.status_port is not None:
+            try:
+                self.page = StatusPage(self.status, settings.status_host, settings.status_port)
+            except OSError as exc:
+                raise ValueError(
+                    f"the status page cannot listen on {settings.status_host}:{settings.status_port} ({exc}): "
+                    "choose another --status-port, 0 for one the OS picks, or --no-status"
+                ) from None
         logger.info("the job's store listens on %s:%d", host, self.port)
         self.workers: dict[int, Worker] = {}
         self.members: list[int] = []
@@ -108,18 +188,31 @@ class Coordinator:
         self.short_since: Optional[float] = None
         self.aborted: Optional[str] = None
         self.log: list[tuple[float, str, str]] = []
+        self.events: list[dict[str, Any]] = []  # self.log's entries with their fields (the status page's)
+        self.start_failures = 0  # workers in a row that exited by themselves before joining
+        self.started_at = time.time()
+        self.stop_signal: Optional[int] = None  # a stop signal received (the second: SIGKILL at once)
+        self.hurry = False
+        self.given_up = False  # a start-up failure ended the job: the other workers are stopped
+        self.lock = threading.Lock()  # the loop's changes against status()
 
     # ---- workers -------------------------------------------------------------------
     def spawn(self) -> Worker:
+        """Start a worker in a session of its own (a terminal's Ctrl-C reaches the launcher only,
+        which stops the workers in order), its stderr through ``StderrTail``; no ``preexec_fn``,
+        unsafe in a process with threads."""
         wid = int(self.store.add("ft/next_id", 1)) - 1
         env = dict(os.environ, UNISON_FT_ADDR="127.0.0.1", UNISON_FT_PORT=str(self.port), UNISON_FT_ID=str(wid))
-        worker = Worker(wid, subprocess.Popen(self.command, env=env))
+        process = subprocess.Popen(self.command, env=env, stderr=subprocess.PIPE, start_new_session=True)
+        worker = Worker(wid, process, pid=process.pid, started_at=time.time(), stderr=StderrTail(process.stderr))
         self.workers[wid] = worker
         return worker
 
-    def note(self, kind: str, detail: str) -> None:
-        """Keep an event in ``self.log`` and log it (``LEVELS``)."""
-        self.log.append((time.time(), kind, detail))
+    def note(self, kind: str, detail: str, **fields: Any) -> None:
+        """Keep an event in ``self.log`` (and ``fields`` in ``self.events``) and log it (``LEVELS``)."""
+        now = time.time()
+        self.log.append((now, kind, detail))
+        self.events.append({"time": now, "kind": kind, "detail": detail, **fields})
         logger.log(LEVELS.get(kind, logging.INFO), "%s: %s", kind, detail)
 
     def _discover(self) -> None:
@@ -127,7 +220,8 @@ class Coordinator:
         top = int(self.store.add("ft/next_id", 0))
         for wid in range(top):
             if wid not in self.workers and self.store.check([f"ft/join/{wid}"]):
-                self.workers[wid] = Worker(wid)
+                pid = self.store.get(f"ft/join/{wid}").decode()
+                self.workers[wid] = Worker(wid, pid=int(pid) if pid.isdigit() else None, started_at=time.time())
 
     def _look(self, now: float) -> list[str]:
         """Update each worker's state; return what changed the membership."""
@@ -138,13 +232,17 @@ class Coordinator:
             done = self.store.check([f"ft/done/{w.id}"])
             code = w.process.poll() if w.process is not None else None
             if code is not None or done:
+                w.exit_code, w.ended_at = code, now
                 if done:
                     w.state = "finished"
                     continue
-                w.state = "dead"
+                starting, w.state = w.state == "starting", "dead"
                 reasons.append(f"worker {w.id} exited with {code}")
-                self.note("failure", f"worker {w.id} (pid {w.process.pid if w.process else '?'}) exited with {code}")
-                self._maybe_respawn()
+                self.note(
+                    "failure", f"worker {w.id} (pid {w.pid or '?'}) exited with {code}", worker=w.id, exit_code=code
+                )
+                if not ((starting or self.epoch == 0) and self._start_failed(w, code, starting)):
+                    self._maybe_respawn()
                 continue
             if self.store.check([f"ft/leave/{w.id}"]):
                 w.state = "left"
@@ -152,26 +250,57 @@ class Coordinator:
                 self.note("leave", f"worker {w.id} left")
                 continue
             if w.state == "starting" and self.store.check([f"ft/join/{w.id}"]):
-                w.state, w.beat_seen = "waiting", now
+                w.state, w.beat_seen, w.joined_at = "waiting", now, now
+                self.start_failures = 0  # the script gets as far as unison.init()
             if w.state in ("waiting", "member"):
                 beat = int(self.store.add(f"ft/hb/{w.id}", 0))
                 if beat != w.beat:
                     w.beat, w.beat_seen = beat, now
                 elif now - w.beat_seen > self.settings.stale_s:
-                    w.state = "evicted"
+                    w.state, w.ended_at = "evicted", now
                     reasons.append(f"worker {w.id} stopped answering")
-                    self.note("failure", f"worker {w.id} silent for {now - w.beat_seen:.1f} s: evicted")
+                    self.note("failure", f"worker {w.id} silent for {now - w.beat_seen:.1f} s: evicted", worker=w.id)
                     self._maybe_respawn()
         return reasons
 
-    def _maybe_respawn(self) -> None:
+    def _may_respawn(self) -> bool:
         s = self.settings
         if self.ending or self.aborted is not None or any(w.state == "finished" for w in self.workers.values()):
-            return  # the job is ending: a replacement would have nothing to join
-        if self.command and s.respawn and (s.max_respawns is None or self.respawns < s.max_respawns):
+            return False  # the job is ending: a replacement would have nothing to join
+        return bool(self.command and s.respawn and (s.max_respawns is None or self.respawns < s.max_respawns))
+
+    def _maybe_respawn(self) -> None:
+        if self._may_respawn():
             self.respawns += 1
             w = self.spawn()
-            self.note("respawn", f"worker {w.id} started (replacement {self.respawns})")
+            self.note("respawn", f"worker {w.id} started (replacement {self.respawns})", worker=w.id)
+
+    def _start_failed(self, w: Worker, code: Optional[int], starting: bool) -> bool:
+        """Worker ``w`` ended before it joined (``starting``) or before the first membership: give
+        up the job (True) when this is the ``max_start_failures``-th worker in a row to exit by
+        itself before joining (a killed one is not the script's fault), or when the first
+        membership waits for it and no replacement comes."""
+        if self.aborted is not None:
+            return True  # the job is over already: no replacement, no second verdict
+        if starting and code is not None and code >= 0:
+            self.start_failures += 1
+        limit = self.settings.max_start_failures
+        if self.start_failures >= limit:
+            why = (
+                f"{self.start_failures} worker(s) in a row exited before joining (--max-start-failures {limit}): "
+                "the script fails before unison.init(); fix it and launch again"
+            )
+        elif self.epoch == 0 and not self._may_respawn():
+            why = "a worker exited before the first membership, which waits for it, and none replaces it"
+        else:
+            return False
+        self.aborted = f"{why}; worker {w.id} (pid {w.pid}) exited with {code}"
+        self.given_up = True
+        self.store.set("ft/abort", self.aborted)
+        tail = w.stderr.lines() if w.stderr is not None else []
+        shown = "".join(f"\n  | {line}" for line in tail) or "\n  | (nothing)"
+        self.note("abort", f"{self.aborted}. Its last lines of stderr:{shown}", worker=w.id, exit_code=code)
+        return True
 
     # ---- memberships -----------------------------------------------------------------
     def _publish(self, members: list[int], joiners: list[int], reason: str) -> None:
@@ -182,7 +311,13 @@ class Coordinator:
         self.store.set("ft/epoch", str(self.epoch))
         for wid in joiners:
             self.workers[wid].state = "member"
-        self.note("regroup", f"epoch {self.epoch}: members {members} ({reason})")
+        self.note(
+            "regroup",
+            f"epoch {self.epoch}: members {members} ({reason})",
+            epoch=self.epoch,
+            members=members,
+            joiners=joiners,
+        )
 
     def _step(self, now: float) -> None:
         if not self.command:
@@ -218,38 +353,130 @@ class Coordinator:
             self.store.set("ft/abort", self.aborted)
             self.note("abort", self.aborted)
 
-    def run(self) -> int:
-        """Spawn the workers, keep the memberships until every worker has exited, return the exit code."""
-        for _ in range(self.settings.nproc if self.command else 0):
-            self.spawn()
-        while True:
-            now = time.time()
-            if self.aborted is None and self.store.check(["ft/abort"]):  # a worker found the job cannot go on
-                self.aborted = self.store.get("ft/abort").decode()
-                self.note("abort", self.aborted)
-            if self.aborted is None:
-                self._step(now)
-            live = [
-                w
-                for w in self.workers.values()
-                if w.process is not None and w.process.poll() is None and w.state != "evicted"
-            ]
-            if self.command and not live:
-                break
-            if (
-                not self.command
-                and self.workers
-                and all(w.state in ("finished", "dead", "evicted", "left") for w in self.workers.values())
-            ):
+    # ---- stopping ------------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        """A stop signal: the loop ends and stops the workers; a second one skips the grace."""
+        if self.stop_signal is not None:
+            self.hurry = True
+        self.stop_signal = signum
+
+    def _signal_workers(self, workers: list[Worker], sig: int) -> None:
+        """Send ``sig`` to each worker's process group (the worker and its children)."""
+        for w in workers:
+            assert w.process is not None
+            try:
+                os.killpg(w.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop_workers(self, grace: float = STOP_GRACE_S) -> None:
+        """End every worker still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        live = [w for w in self.workers.values() if w.process is not None and w.process.poll() is None]
+        if not live:
+            return
+        self._signal_workers(live, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(w.process.poll() is None for w in live if w.process) and time.monotonic() < deadline:
+            if self.hurry:
                 break
             time.sleep(TICK_S)
+        self._signal_workers(live, signal.SIGKILL)  # their children too, even when the worker is gone
+        for w in live:
+            assert w.process is not None
+            w.process.wait()
+
+    def _install_handlers(self) -> dict[int, Any]:
+        """Catch the stop signals (main thread only; a SIGINT ignored on entry, as in a
+        background job of a shell, stays ignored); return the handlers to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for sig in STOP_SIGNALS:
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def run(self) -> int:
+        """Spawn the workers, keep the memberships until every worker has exited, return the exit code.
+
+        A stop signal ends the workers (``stop_workers``) and returns 128 + the signal; so does
+        any error of the coordinator's own (then it is raised): no worker outlives the launcher.
+        """
+        previous = self._install_handlers()
+        if self.page is not None:
+            self.page.start()
+            logger.info("status: %s", self.page.url)
+        try:
+            with self.lock:
+                for _ in range(self.settings.nproc if self.command else 0):
+                    self.spawn()
+            self._loop()
+            if self.stop_signal is not None:
+                return self._stopped()
+            if self.given_up:
+                self.stop_workers()  # the others are stopped, not waited for
+            return self._end()
+        finally:
+            self.ending = True
+            self.stop_workers()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.page is not None:
+                self.page.close()
+
+    def _loop(self) -> None:
+        """Look at workers and keys until the job is over, given up, or told to stop."""
+        while self.stop_signal is None:
+            with self.lock:
+                now = time.time()
+                if self.aborted is None and self.store.check(["ft/abort"]):  # a worker found the job cannot go on
+                    self.aborted = self.store.get("ft/abort").decode()
+                    self.note("abort", self.aborted)
+                if self.aborted is None:
+                    self._step(now)
+                if self.given_up:
+                    return
+                live = [
+                    w
+                    for w in self.workers.values()
+                    if w.process is not None and w.process.poll() is None and w.state != "evicted"
+                ]
+                if self.command and not live:
+                    return
+                if (
+                    not self.command
+                    and self.workers
+                    and all(w.state in ("finished", "dead", "evicted", "left") for w in self.workers.values())
+                ):
+                    return
+            time.sleep(TICK_S)
+
+    def _stopped(self) -> int:
+        """A stop signal came: tell workers started elsewhere (``ft/abort``), end ours, exit 128 + it."""
+        assert self.stop_signal is not None
+        name = signal.Signals(self.stop_signal).name
+        with self.lock:
+            self.ending = True
+            self.aborted = self.aborted or f"the coordinator received {name}"
+            try:
+                self.store.set("ft/abort", self.aborted)
+            except Exception:  # the store is ours; a failure here must not keep the workers alive
+                pass
+            running = sum(w.process is not None and w.process.poll() is None for w in self.workers.values())
+            self.note(
+                "stop", f"{name} received: stopping {running} worker(s) (SIGTERM, SIGKILL after {STOP_GRACE_S:.0f} s)"
+            )
+        self.stop_workers()
+        return 128 + self.stop_signal
+
+    def _end(self) -> int:
+        """The exit code of a job that ended by itself (0: every member of the last membership finished)."""
         self.ending = True
-        for w in self.workers.values():  # an evicted worker that never came back is no member: end it
-            if w.process is not None and w.process.poll() is None:
-                w.process.kill()
-                w.process.wait()
-        if self.aborted is None:
-            self._look(time.time())  # the last exits
+        with self.lock:
+            self.stop_workers(0.0)  # an evicted worker that never came back is no member: end it
+            if self.aborted is None:
+                self._look(time.time())  # the last exits
         finished = sum(w.state == "finished" for w in self.workers.values())
         broken = [wid for wid in self.members if self.workers[wid].state not in ("finished", "left")]
         if broken:
@@ -257,6 +484,66 @@ class Coordinator:
         if self.aborted is not None or finished == 0 or broken:
             return 1
         return 0
+
+    # ---- the status page --------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What the status page shows (its JSON): see docs/fault-tolerance.md, "The status page"."""
+        with self.lock:
+            now = time.time()
+            rank = {wid: r for r, wid in enumerate(self.members)}
+            step = self.store.get("ft/step").decode() if self.store.check(["ft/step"]) else None
+            if self.stop_signal is not None:
+                state = "stopping"
+            elif self.aborted is not None:
+                state = "aborted"
+            elif self.ending:
+                state = "ending"
+            else:
+                state = "starting" if self.epoch == 0 else "running"
+            workers = [
+                {
+                    "id": w.id,
+                    "pid": w.pid,
+                    "rank": rank.get(w.id) if w.state == "member" else None,
+                    "state": w.state,
+                    "started_at": w.started_at,
+                    "joined_at": w.joined_at,
+                    "ended_at": w.ended_at,
+                    "exit_code": w.exit_code,
+                    "heartbeats": max(w.beat, 0),
+                    "last_heartbeat_s_ago": round(now - w.beat_seen, 3) if w.beat >= 0 else None,
+                }
+                for w in sorted(self.workers.values(), key=lambda w: w.id)
+            ]
+            events = [dict(e) for e in self.events]
+        s = self.settings
+        return {
+            "job": {
+                "state": state,
+                "started_at": self.started_at,
+                "uptime_s": round(now - self.started_at, 3),
+                "store": f"{self.host}:{self.port}",
+                "command": self.command,
+                "nproc": s.nproc or s.expected,
+                "min_replicas": s.min_replicas,
+                "respawn": s.respawn,
+                "max_respawns": s.max_respawns,
+            },
+            "time": now,
+            "epoch": self.epoch,
+            "members": list(self.members),
+            "committed_step": int(step) if step is not None and step.isdigit() else None,
+            "aborted": self.aborted,
+            "workers": workers,
+            "failures": [e for e in events if e["kind"] == "failure"],
+            "joins": [
+                {"time": e["time"], "epoch": e["epoch"], "workers": e["joiners"]}
+                for e in events
+                if e["kind"] == "regroup" and e["epoch"] > 1 and e["joiners"]
+            ],
+            "respawns": [e for e in events if e["kind"] == "respawn"],
+            "events": events,
+        }
 
 
 def main(settings: Settings, command: Optional[Sequence[str]], port: int = 0) -> int:
