@@ -2,8 +2,12 @@
 ``torch.nn.parallel.DistributedDataParallel`` and under ``unison.DataParallel`` on 2 gloo
 ranks, in the same run, gives the same results or the same error type.
 
-One group runs every check (``conformance``); each check returns what the tests compare.
-Sparse gradients and ``create_graph`` are checked in test_sparse_and_higher_order.py.
+One group runs every check (``conformance``); each check returns what the tests compare:
+comm hooks, pickling, the constructor's checks and arguments, the public methods. Two
+neighbours run the rest of the issue's conformance the same way, each in its own group:
+test_sparse_and_higher_order.py (sparse gradients, ``create_graph``, ``static_graph``,
+``gradient_as_bucket_view``, against torch DDP) and test_compile.py (``torch.compile``
+against eager training and torch DDP).
 """
 
 import copy
