@@ -400,8 +400,8 @@ class Coordinator:
     def run(self) -> int:
         """Spawn the workers, keep the memberships until every worker has exited, return the exit code.
 
-        A stop signal ends the workers (``stop_workers``) and returns 128 + the signal; so does
-        any error of the coordinator's own (then it is raised): no worker outlives the launcher.
+        A stop signal ends the workers (``stop_workers``) and returns 128 + the signal; an error
+        of the coordinator's own ends them too before it is raised: no worker outlives the launcher.
         """
         previous = self._install_handlers()
         if self.page is not None:

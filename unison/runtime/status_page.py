@@ -27,9 +27,9 @@ class StatusPage:
 
     Example::
 
-        >>> page = StatusPage(lambda: {"epoch": 1}, "127.0.0.1", 0)
-        >>> page.start(); page.url
-        'http://127.0.0.1:40123/'
+        >>> page = StatusPage(coordinator.status)  # 127.0.0.1, a port the OS picks
+        >>> page.start()
+        >>> page.url  # 'http://127.0.0.1:<port>/'
         >>> page.close()
     """
 
