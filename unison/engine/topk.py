@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 #: Values per block of ``TopK.encode``'s loop: a block's magnitudes fit a core's L2 cache.
-BLOCK = 1 << 18
+BLOCK = 1 << 16
 BITS = (2, 4, 8)
 CPU = torch.device("cpu")
 
@@ -30,6 +30,12 @@ def layout(numel: int, chunk: int) -> tuple[int, int]:
     values, all of one size (the last padded by fewer than ``chunks`` values)."""
     chunks = max(1, -(-numel // chunk))
     return chunks, max(1, -(-numel // chunks))
+
+
+def scratch_numel(numel: int, chunk: int) -> int:
+    """The float32 values ``TopK(numel, chunk)`` asks of a shared ``scratch``: one block of chunks."""
+    chunks, size = layout(numel, chunk)
+    return max(1, min(chunks, BLOCK // size)) * size
 
 
 def index_dtype(size: int) -> torch.dtype:
@@ -69,6 +75,8 @@ class TopK:
         topk: ``k`` itself (at most the chunk's size), instead of ``density``.
         bits: bits per value: 2, 4 or 8.
         device: where the scratch lives (the tensors' device).
+        scratch: a float32 buffer of at least ``scratch_numel(numel, chunk)`` values for the
+            magnitudes of a block of chunks, shared by codecs run one at a time (default: its own).
 
     The values are quantized on ``2**bits`` levels symmetric about zero, ``(q - (L-1)/2) * scale``
     for ``q`` in ``0..L-1``, with ``scale = 2 max|v| / (L-1)``: the chunk's largest value is sent
@@ -90,6 +98,7 @@ class TopK:
         topk: Optional[int] = None,
         bits: int = 2,
         device: torch.device = CPU,
+        scratch: Optional[torch.Tensor] = None,
     ) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
@@ -113,7 +122,9 @@ class TopK:
         self._codes = (self._indices[1], self._indices[1] + self.codes_count * bits // 8)
         self.nbytes = -(-self._codes[1] // 4) * 4
         self.block = max(1, min(self.chunks, BLOCK // self.size))
-        self._magnitudes = torch.empty(self.block, self.size, dtype=torch.float32, device=self.device)
+        if scratch is None:
+            scratch = torch.empty(self.block * self.size, dtype=torch.float32, device=self.device)
+        self._magnitudes = scratch[: self.block * self.size].view(self.block, self.size)
         self._codes_buffer = torch.zeros(self.codes_count, dtype=torch.uint8, device=self.device)
 
     @property

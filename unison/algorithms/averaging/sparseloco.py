@@ -22,7 +22,7 @@ from ...engine.averaging import average_async
 from ...engine.comm import Finished, Waitable, start
 from ...engine.comm import wait as comm_wait
 from ...engine.flat import Flat
-from ...engine.topk import BITS, TopK
+from ...engine.topk import BITS, TopK, scratch_numel
 from ...replica import Replica
 from .. import options
 from ..schedules import StepCount
@@ -174,10 +174,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         group = replica.private_group("sparseloco") if replica.distributed else None
         world = dist.get_world_size(group) if group is not None else 1
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
-        codecs = [
-            TopK(sum(p.numel() for _, p in f), self.chunk, self.density, self.topk, self.bits, f[0][1].device)
-            for f in fragments
-        ]
+        sizes = [sum(p.numel() for _, p in f) for f in fragments]
+        device = fragments[0][0][1].device
+        scratch = torch.empty(max(scratch_numel(n, self.chunk) for n in sizes), device=device)  # one sync at a time
+        codecs = [TopK(n, self.chunk, self.density, self.topk, self.bits, device, scratch) for n in sizes]
         state = SparseLoCoState(StepCount(self.period), fragments, buffers, codecs, group, world)
         self.stream(replica, state, len(fragments))
         return state
