@@ -54,6 +54,11 @@ BUDGET = {
     "local_sgd:period=4": 1.02,  # issue: 0.1
     "async:warmup_steps=2": 1.02,  # issue: 0.1
     "daso:warmup_epochs=0": 2.55,
+    # sparseloco: its global weights and error feedback (2 P, float32), each rank's message (2% density,
+    # 2 bits: 0.012 P each, three held), the codec's block of magnitudes (256 KiB: 0.06 P here); streamed
+    # with a delay, a fragment's weights at launch in flight (0.25 P).
+    "sparseloco:period=4": 2.11,
+    "sparseloco:period=8,fragments=4,delay=1": 2.36,
 }
 
 
