@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ...engine import comm
+from ...engine.buckets import MB
 from ...engine.codecs import WIRE_DTYPES
 from ...engine.codecs import wire_dtype as to_wire_dtype
 from ...engine.comm import ring_bytes
-from ...engine.flat import Flats
+from ...engine.flat import Flats, by_kind
 from ...engine.hierarchy import TwoLevel, check_layout
 from ...replica import Replica
 from .. import options
@@ -222,19 +223,19 @@ class Schedule:
         self.pending_sync = None if pending is None else PendingSync(**pending)
 
 
-SLICE = 1 << 20  #: elements per slice of the cast and add loops (the scratch stays in cache)
+SLICE = 1 << 20  #: elements per slice of the cast and add loops (their transient stays small)
 
 
 class Sync(comm.Finished):
-    """A global sync in flight: ``wait()`` returns its average, in the views it lands in."""
+    """A global sync in flight: ``wait()`` returns its payload (a ``Wire``, or the average's views)."""
 
-    def __init__(self, works: list[Any], values: list[torch.Tensor]) -> None:
-        super().__init__(values)
+    def __init__(self, works: list[Any], payload: Any) -> None:
+        super().__init__(payload)
         self.works = works
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> Any:
         while self.works:
-            self.works.pop(0).wait()
+            comm.wait(self.works.pop(0))  # comm's: the completed works (and the buffers they hold) are let go
         return super().wait()
 
 
@@ -242,6 +243,62 @@ def sliced(fn: Callable[..., Any], *flats: torch.Tensor) -> None:
     """``fn(*slices)`` over consecutive slices of at most SLICE elements of equally long 1-D tensors."""
     for i in range(0, flats[0].numel(), SLICE):
         fn(*(f[i : i + SLICE] for f in flats))
+
+
+class Wire:
+    """One sync's message: ``tensors``' differences from an anchor, cast to ``dtype``, laid end to end
+    (per dtype and device) in pieces of at most ``piece_elems`` values. Made when a sync starts and
+    dropped once it is merged: nothing is kept between syncs.
+
+    Example::
+
+        w = Wire(params, torch.bfloat16, piece_elems=1 << 20)
+        w.load(params, minus=anchor)  # params - anchor, cast
+        for piece in w.pieces: dist.all_reduce(piece.div_(world))
+        w.add_to(anchor)              # anchor += the average difference
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype, piece_elems: int) -> None:
+        self.pieces: list[torch.Tensor] = []
+        # (tensor, its first and end element, piece, the first element in the piece)
+        self.segments: list[tuple[int, int, int, int, int]] = []
+        for idx in by_kind(tensors):
+            first, base, offset = tensors[idx[0]], len(self.pieces), 0
+            total = sum(tensors[i].numel() for i in idx)
+            self.pieces += [
+                torch.empty(min(piece_elems, total - at), dtype=dtype, device=first.device)
+                for at in range(0, total, piece_elems)
+            ]
+            for i in idx:
+                n, at = tensors[i].numel(), 0
+                while at < n:
+                    k, o = divmod(offset + at, piece_elems)
+                    take = min(n - at, piece_elems - o)
+                    self.segments.append((i, at, at + take, base + k, o))
+                    at += take
+                offset += n
+
+    def load(self, values: list[torch.Tensor], minus: list[torch.Tensor]) -> None:
+        """Write ``values - minus`` (tensors shaped alike), cast, slice by slice."""
+        flat = [v.reshape(-1) for v in values]
+        less = [m.reshape(-1) for m in minus]
+        for i, a, b, k, o in self.segments:
+            sub = lambda w, x, y: torch.sub(x, y, out=w)  # noqa: E731  # computed in x's dtype, then cast
+            sliced(sub, self.pieces[k][o : o + b - a], flat[i][a:b], less[i][a:b])
+
+    def add_to(self, targets: list[torch.Tensor]) -> None:
+        """``targets += the pieces' values`` (contiguous tensors shaped like the message's), slice by slice."""
+        flat = [t.view(-1) for t in targets]
+        for i, a, b, k, o in self.segments:
+            sliced(lambda t, d: t.add_(d), flat[i][a:b], self.pieces[k][o : o + b - a])
+
+    def tensors(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The message as new tensors shaped and typed like ``like`` (what a checkpoint saves)."""
+        out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
+        flat = [t.view(-1) for t in out]
+        for i, a, b, k, o in self.segments:
+            flat[i][a:b].copy_(self.pieces[k][o : o + b - a])
+        return out
 
 
 @dataclass(eq=False, repr=False, slots=True)
@@ -255,6 +312,8 @@ class Transport:
             or one node), this rank's ``inter`` group (None: one node), where this process sits.
         wire: the dtype syncs travel in (None: the weights' own, whole).
         chunk_elems: elements per collective (slices of the flat buffer).
+        piece_bytes: a cast sync's message is made in pieces of at most this many of the weights'
+            bytes (a gradient bucket's), for the sync only.
 
     Example::
 
@@ -267,11 +326,11 @@ class Transport:
     levels: TwoLevel = field(default_factory=lambda: TwoLevel(None, None, 0, 1, 1))
     wire: Optional[torch.dtype] = None
     chunk_elems: int = 10_000_000
+    piece_bytes: int = 25 * MB
     inflight: Any = field(default=None, init=False)  # this rank's sync in flight (something with wait())
     relative: bool = field(default=False, init=False)  # whether it carries differences from the anchor
     anchor: Optional[list[torch.Tensor]] = field(default=None, init=False)  # the last average its group agreed on
     meter: State = field(default_factory=State, init=False)  # counts the bytes sent (DASO gives its state)
-    buffers: dict[Optional[torch.dtype], Any] = field(default_factory=dict, init=False)  # Transport.flat's
 
     @property
     def intra(self) -> Optional[dist.ProcessGroup]:
@@ -298,61 +357,52 @@ class Transport:
         """A private copy of the node's group for gradients, and the two levels' groups (the node's
         for broadcasts, this rank's inter-node group) as the layout has them."""
         params: list[torch.Tensor] = [p for _, p in replica.trainable]
+        piece = max(1, int(replica.bucket_cap_mb * MB))
         if replica.group is None:
-            return cls(params, wire=wire, chunk_elems=chunk_elems)
+            return cls(params, wire=wire, chunk_elems=chunk_elems, piece_bytes=piece)
         topo = replica.topology
         check_layout(topo, replica.group, "daso")
         grad = replica.private_group("daso/grad", topo.intra_node_group) if topo.local_world_size > 1 else None
-        return cls(params, grad, TwoLevel.of(topo, replica.private_group, "daso"), wire, chunk_elems)
+        return cls(params, grad, TwoLevel.of(topo, replica.private_group, "daso"), wire, chunk_elems, piece)
 
     # ---- one global sync --------------------------------------------------
-    def flat(self, dtype: Optional[torch.dtype]) -> tuple[list, list, list]:
-        """(flat buffers, views shaped like the weights, each weight's scratch): one buffer per weight
-        dtype and device, in ``dtype`` (None: the weights' own); kept if it is the wire's."""
-        if dtype in self.buffers:
-            return self.buffers[dtype]
-        layout = Flats(self.params, dtype)
-        flats = [part.flat for part in layout.parts]
-        scratches: list[Any] = [None] * len(self.params)
-        for part, idx in zip(layout.parts, layout.kinds):
-            first = part.like[0]
-            scratch = torch.empty(min(SLICE, part.numel), dtype=first.dtype, device=first.device)
-            for i in idx:
-                scratches[i] = scratch
-        views = layout.views
-        if dtype == self.wire:
-            self.buffers[dtype] = (flats, views, scratches)
-        return flats, views, scratches
-
     def start(self) -> None:
         """Launch this rank's part of its inter-node group's average (non-blocking). Cast, it carries
-        the difference from the anchor; a group's first sync (no anchor yet) the weights, uncast."""
+        the difference from the anchor in a ``Wire`` made for this sync; a group's first sync (no
+        anchor yet) the weights, uncast, in a flat buffer that becomes the anchor."""
         relative, world = self.wire is not None and self.anchor is not None, dist.get_world_size(self.inter)
-        flats, views, scratches = self.flat(self.wire if relative else None)
         with torch.no_grad():
-            if not relative:
-                torch._foreach_copy_(views, [p.detach() for p in self.params])
-            anchor = (self.anchor or []) if relative else []
-            for p, v, a, s in zip(self.params, views, anchor, scratches):  # p - anchor, cast
-                sub = lambda w, x, y, s=s: w.copy_(torch.sub(x, y, out=s[: x.numel()]))  # noqa: E731
-                sliced(sub, v.view(-1), p.reshape(-1), a.reshape(-1))
+            if relative:
+                assert self.wire is not None and self.anchor is not None
+                piece = max(1, self.piece_bytes // max(1, self.params[0].element_size()))
+                payload: Any = Wire(self.params, self.wire, piece)
+                payload.load([p.detach() for p in self.params], self.anchor)
+                flats = payload.pieces
+            else:
+                layout = Flats(self.params)
+                layout.load()
+                payload, flats = layout.views, [part.flat for part in layout.parts]
             parts = [part for f in flats for part in f.div_(world).split(self.chunk_elems)]
         works = [comm.start(dist.all_reduce, part, group=self.inter) for part in parts]
         sent = sum(comm.ring_bytes(part.numel() * part.element_size(), world) for part in parts)
-        self.inflight, self.relative = Sync(works, views), relative
+        self.inflight, self.relative = Sync(works, payload), relative
         self.meter.bytes_sent += sent
 
     def finish(self) -> list[torch.Tensor]:
         """The group's average from the sync in flight; it becomes the group's new anchor."""
-        values, self.inflight = self.inflight.wait(), None
+        payload, self.inflight = self.inflight.wait(), None
         if self.relative:  # anchor += the average difference, cast back slice by slice
+            anchor = self.anchor or []
             with torch.no_grad():
-                for a, d, s in zip(self.anchor or [], values, self.flat(self.wire)[2]):
-                    sliced(lambda x, y, s=s: x.add_(s[: y.numel()].copy_(y)), a.view(-1), d.reshape(-1))
-            values = self.anchor
+                if isinstance(payload, Wire):
+                    payload.add_to(anchor)
+                else:  # restored from a checkpoint: one tensor per weight
+                    for a, d in zip(anchor, payload):
+                        sliced(lambda x, y: x.add_(y), a.view(-1), d.reshape(-1))
+            payload = anchor
         if self.wire is not None:
-            self.anchor = values  # a full-precision sync's buffer is not kept: the anchor owns it
-        return values
+            self.anchor = payload  # a full-precision sync's buffer is not copied: the anchor owns it
+        return payload
 
     def drop(self) -> None:
         """Wait for this rank's sync in flight (its peers launched it too) and forget it."""
@@ -391,9 +441,13 @@ class Transport:
         """The sync in flight and the anchor, so a resumed run merges it at the same batch. No new
         communication: a sync in flight is waited for (every peer launched it) and kept, not yet merged."""
         inflight = None
-        if self.inflight is not None:  # values in the weights' dtype, as they were before syncs were kept flat
-            values = [v.to(p.dtype, copy=True) for v, p in zip(self.inflight.wait(), self.params)]
-            self.inflight = comm.Finished(values)
+        if self.inflight is not None:  # values in the weights' dtype, one tensor per weight
+            payload = self.inflight.wait()
+            if isinstance(payload, Wire):
+                values = payload.tensors(self.params)
+            else:
+                values = [v.to(p.dtype, copy=True) for v, p in zip(payload, self.params)]
+            self.inflight = comm.Finished(payload)
             inflight = {"values": values, "relative": self.relative}
         return {"inflight": inflight, "anchor": None if self.anchor is None else [a.clone() for a in self.anchor]}
 
