@@ -47,6 +47,7 @@ SAVED_KEYS: dict[str, Any] = {
     "low_precision_decentralized": {"steps"},
     "diloco": {"steps", "snapshot", "outer_optimizer", "in_flight", "merged"},
     "sparseloco": {"steps", "global", "feedback", "in_flight", "merged"},
+    "demo": {"feedback"},  # the momentum (rank-local), empty alone: no engine, no bucket
     "daso": None,  # checked apart: the schedule's counters
 }
 
@@ -141,8 +142,8 @@ def test_alone_is_local_training(name):
     model.close()
 
 
-def test_the_fourteen_algorithms():
-    assert len(NAMES) == 14 and set(SAVED_KEYS) == set(NAMES)
+def test_the_fifteen_algorithms():
+    assert len(NAMES) == 15 and set(SAVED_KEYS) == set(NAMES)
 
 
 def test_diloco_alone_is_local_training_with_outer_nesterov_steps():

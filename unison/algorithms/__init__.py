@@ -33,6 +33,7 @@ _BUILTIN: dict[str, str] = {
     "daso": "averaging.daso:DASO",
     "diloco": "averaging.diloco:DiLoCo",
     "sparseloco": "averaging.sparseloco:SparseLoCo",
+    "demo": "gradient.demo:Demo",
 }
 _REGISTERED: dict[str, type[Algorithm[Any]]] = {}
 

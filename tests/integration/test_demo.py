@@ -1,0 +1,220 @@
+"""DeMo on 2 and 4 gloo ranks: every step against the update written by hand in plain torch
+(momentum, DCT per chunk, top-k, average, inverse DCT, SGD), equal replicas, the bytes counted,
+exact resume by unison.save/load, switch_to in and out."""
+
+from __future__ import annotations
+
+import math
+
+import launch
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import MLP, batch
+from scenarios import spread_across_ranks
+
+import unison
+from tests.unit.topk_reference import quantized_topk
+from unison.engine.dct import message_bytes
+
+LR = 0.05
+# (options, steps): float32 values, chunks of 64, the default topk; 4-bit values in chunks of 32
+# with the signum variant; 8-bit values, one coefficient per chunk of 16, no momentum decay to speak of.
+CASES = [
+    ({"beta": 0.9, "chunk": 64, "topk": 4}, 4),
+    ({"beta": 0.5, "chunk": 32, "topk": 3, "bits": 4, "sign": True}, 3),
+    ({"beta": 0.999, "chunk": 16, "topk": 1, "bits": 8}, 3),
+]
+
+
+def dct(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II matrix, written from its definition."""
+    d = torch.tensor(
+        [
+            [math.cos(math.pi * (2 * j + 1) * k / (2 * n)) * math.sqrt((1 if k == 0 else 2) / n) for j in range(n)]
+            for k in range(n)
+        ],
+        dtype=torch.float64,
+    )
+    return d.float()
+
+
+def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False):
+    """One DeMo step of every rank (``momenta[r][i]``: rank r's momentum of parameter i, updated in
+    place) from their gradients; returns each parameter's direction (the same on every rank)."""
+    d, world = dct(chunk), len(momenta)
+    directions = []
+    for i in range(len(grads[0])):
+        sent_sum = None
+        for r in range(world):
+            m = momenta[r][i]
+            m.mul_(beta).add_(grads[r][i])
+            n = m.numel()
+            padded = torch.zeros(math.ceil(n / chunk) * chunk)
+            padded[:n] = m.reshape(-1)
+            coeffs = (padded.view(-1, chunk) @ d.T).reshape(-1)
+            if bits is None:
+                sent = torch.zeros_like(coeffs).view(-1, chunk)
+                rows = coeffs.view(-1, chunk)
+                idx = rows.abs().topk(topk, dim=1).indices
+                sent.scatter_(1, idx, rows.gather(1, idx))
+                sent = sent.reshape(-1)
+            else:
+                sent = quantized_topk(coeffs, chunk, topk, bits)
+            kept = ((coeffs - sent).view(-1, chunk) @ d).reshape(-1)
+            m.copy_(kept[:n].view_as(m))
+            sent_sum = sent if sent_sum is None else sent_sum + sent
+        direction = ((sent_sum / world).view(-1, chunk) @ d).reshape(-1)[: grads[0][i].numel()]
+        directions.append((direction.sign() if sign else direction).view_as(grads[0][i]))
+    return directions
+
+
+def train_step(model, opt, x, y) -> float:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def flat(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def check_against_reference() -> list[dict]:
+    """Each rank replays every rank's gradients on a plain copy of the model and steps it by hand."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for options, steps in CASES:
+        torch.manual_seed(0)
+        net, ref = MLP(), MLP()
+        ref.load_state_dict(net.state_dict())
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("demo", **options))
+        params = list(ref.parameters())
+        momenta = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+        gaps, momentum_gaps, spreads, bytes_, expected = [], [], [], [], []
+        for s in range(steps):
+            grads = []
+            for r in range(world):
+                ref.zero_grad()
+                F.mse_loss(ref(batch(s, r)[0]), batch(s, r)[1]).backward()
+                grads.append([p.grad.detach().clone() for p in params])
+            directions = reference_step(momenta, grads, **options)
+            with torch.no_grad():
+                for p, g in zip(params, directions):
+                    p.sub_(LR * g)
+            train_step(model, opt, *batch(s, rank))
+            gaps.append((flat(net) - flat(ref)).abs().max().item())
+            saved = model.algorithm_state.state_dict()["feedback"]
+            names = [n for n, _ in ref.named_parameters()]
+            momentum_gaps.append(max((saved[n] - m).abs().max().item() for n, m in zip(names, momenta[rank])))
+            spreads.append(spread_across_ranks(net))
+            bytes_.append(model.comm_stats["bytes_last_step"])
+            chunk = options["chunk"]
+            padded = [sum(math.ceil(v.numel() / chunk) * chunk for v in b.views) for b in model._core.reducer.buckets]
+            expected.append(
+                sum((world - 1) * message_bytes(n, chunk, options["topk"], options.get("bits")) for n in padded)
+            )
+        out.append(
+            {"gaps": gaps, "momentum_gaps": momentum_gaps, "spreads": spreads, "bytes": bytes_, "expected": expected}
+        )
+        model.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_step_is_the_hand_written_update(world):
+    for rank_results in launch.run(check_against_reference, world, timeout=120):
+        for r in rank_results:
+            assert max(r["gaps"]) < 1e-5, r["gaps"]
+            assert max(r["momentum_gaps"]) < 1e-5, r["momentum_gaps"]
+            assert r["spreads"] == [0.0] * len(r["spreads"])  # the same messages decoded in rank order
+            for sent, packed in zip(r["bytes"], r["expected"]):
+                assert packed > 0 and 0 <= sent - packed <= 6  # and the has-a-gradient flags: a byte per parameter
+
+
+# every option's kind: float32 values, 2-bit values with the sign
+RESUMED = ["demo:beta=0.9,chunk=64,topk=4", "demo:beta=0.99,chunk=32,topk=2,bits=2,sign=True"]
+STEPS, SAVE_AT = 8, 4
+
+
+def build(spec: str, seed: int):
+    torch.manual_seed(seed)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.5)
+    return unison.DataParallel(net, optimizer=opt, algorithm=spec), net, opt
+
+
+def momentum(model) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for _, t in sorted(model.algorithm_state.state_dict()["feedback"].items())])
+
+
+def check_resume(path: str) -> dict:
+    """8 steps straight, or 4 + save + other weights + load + the rest: the same bits."""
+    rank, out = dist.get_rank(), {}
+    for spec in RESUMED:
+        model, net, opt = build(spec, 0)
+        for s in range(STEPS):
+            train_step(model, opt, *batch(s, rank))
+        straight, kept = flat(net), momentum(model)
+        model.close()
+
+        model, net, opt = build(spec, 0)
+        for s in range(SAVE_AT):
+            train_step(model, opt, *batch(s, rank))
+        unison.save(path, model, opt, step=SAVE_AT)
+        model.close()
+
+        model, net, opt = build(spec, 1)
+        state = unison.load(path, model, opt)
+        for s in range(state["step"], STEPS):
+            train_step(model, opt, *batch(s, rank))
+        out[spec] = {
+            "weights": (flat(net) - straight).abs().max().item(),
+            "momentum": (momentum(model) - kept).abs().max().item(),
+            "nonzero": kept.abs().sum().item() > 0,
+            "spread": spread_across_ranks(net),
+        }
+        model.close()
+    return out
+
+
+def test_save_and_load_resume_exactly(tmp_path):
+    results = launch.run(check_resume, 2, str(tmp_path / "ckpt.pt"), timeout=120)
+    for r in results:
+        for spec in RESUMED:
+            assert r[spec]["weights"] == 0.0 and r[spec]["momentum"] == 0.0, (spec, r[spec])
+            assert r[spec]["nonzero"] and r[spec]["spread"] == 0.0, spec
+    assert results[0][RESUMED[0]] is not None
+
+
+def check_switch() -> dict:
+    """allreduce -> demo -> allreduce -> demo (a fresh momentum) -> local_sgd -> demo: replicas
+    equal all along, and the loss falls."""
+    rank, out = dist.get_rank(), {"spreads": [], "losses": [], "fresh": []}
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    model = unison.DataParallel(net, optimizer=opt)
+    step = 0
+    for spec in ("demo:chunk=32,topk=8", "allreduce", "demo:chunk=32,topk=8,bits=8", "local_sgd:period=2", "demo"):
+        model.switch_to(spec)
+        if spec.startswith("demo"):
+            out["fresh"].append(model.algorithm_state.state_dict()["feedback"] == {})  # none before its first backward
+        for _ in range(3):
+            out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
+            step += 1
+        out["spreads"].append(spread_across_ranks(net))
+    model.switch_to("allreduce")
+    out["spreads"].append(spread_across_ranks(net))
+    model.close()
+    return out
+
+
+def test_switch_to_in_and_out():
+    for r in launch.run(check_switch, 2, timeout=60):
+        assert r["fresh"] == [True, True, True]
+        assert r["spreads"][:3] + r["spreads"][4:] == [0.0] * 5  # local_sgd drifts between its syncs
+        assert sum(r["losses"][-3:]) < sum(r["losses"][:3])

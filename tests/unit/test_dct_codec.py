@@ -1,0 +1,98 @@
+"""DeMo's codec (unison.engine.dct): the orthonormal DCT, the top-k per chunk, what is sent plus
+what stays equals the momentum, the message's size, and the options refused with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import unison
+from unison.engine.dct import FullTopK, codec, dct_matrix, message_bytes, transform_
+from unison.engine.topk import BLOCK
+
+
+@pytest.mark.parametrize("n", [1, 16, 64, 100])
+def test_dct_is_orthonormal_and_matches_its_definition(n):
+    d = dct_matrix(n, dtype=torch.float64)
+    assert torch.allclose(d @ d.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    k, j = 3 % n, 5 % n
+    assert d[k, j].item() == pytest.approx(
+        math.cos(math.pi * (2 * j + 1) * k / (2 * n)) * math.sqrt((1 if k == 0 else 2) / n)
+    )
+    x = torch.randn(7, n)
+    d32 = dct_matrix(n)
+    assert torch.allclose((x @ d32.T) @ d32, x, atol=1e-5)  # the round trip
+
+
+def test_transform_in_place_by_blocks_is_the_matrix_product():
+    x = torch.randn(300, 16)
+    d = dct_matrix(16)
+    expected = x @ d.T
+    transform_(x, d.T.contiguous(), torch.empty(16 * 7))  # blocks of 7 rows
+    assert torch.allclose(x, expected, atol=1e-6)
+
+
+def test_full_topk_sends_the_largest_per_chunk_and_keeps_the_rest():
+    torch.manual_seed(0)
+    x = torch.randn(8 * 32)
+    before = x.clone()
+    c = FullTopK(x.numel(), chunk=32, topk=3)
+    message = c.encode(x, c.empty())
+    sent = c.decode_add(message, torch.zeros_like(x))
+    rows, sent_rows = before.view(8, 32), sent.view(8, 32)
+    for row, s in zip(rows, sent_rows):
+        top = set(row.abs().topk(3).indices.tolist())
+        assert set(s.nonzero().flatten().tolist()) == top
+        assert torch.equal(s[list(top)], row[list(top)])  # float32 values: exact
+    assert torch.equal(x + sent, before)  # nothing lost: the sent entries are zero in x
+    assert (x.view(8, 32) != 0).sum(1).tolist() == [29] * 8
+
+
+@pytest.mark.parametrize("bits", [None, 2, 4, 8])
+def test_sent_plus_kept_is_the_momentum(bits):
+    """One DeMo step's encode, as demo.py does it: DCT in place, top-k with feedback, inverse DCT in place."""
+    torch.manual_seed(1)
+    chunk, topk = 64, 4
+    m = torch.randn(5 * chunk)
+    original = m.clone()
+    d = dct_matrix(chunk)
+    scratch = torch.empty(max(BLOCK, chunk))
+    c = codec(m.numel(), chunk, topk, bits, m.device, scratch)
+    transform_(m.view(-1, chunk), d.T.contiguous(), scratch)
+    message = c.encode(m, c.empty())
+    transform_(m.view(-1, chunk), d, scratch)
+    sent = c.decode_add(message, torch.zeros_like(m))
+    transform_(sent.view(-1, chunk), d, scratch)
+    assert torch.allclose(m + sent, original, atol=1e-5)
+    assert c.nbytes == message_bytes(m.numel(), chunk, topk, bits) == message.numel()
+
+
+def test_message_bytes():
+    # 10 chunks of 64, 4 per chunk: float32 values and uint8 indices, 200 bytes
+    assert message_bytes(640, 64, 4, None) == 200
+    assert message_bytes(1024, 512, 2, None) == 24  # 4 entries of float32 and int16 (past 256 values per chunk)
+    # 2-bit: 2 scales (8 bytes), 8 uint8 indices, 8 codes in 2 bytes, to a multiple of 4
+    assert message_bytes(128, 64, 4, 2) == 20
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"chunk": 0}, "chunk must be a positive integer"),
+        ({"chunk": 8, "topk": 9}, r"topk must be at most chunk \(8\)"),
+        ({"beta": 1.0}, r"beta must be a number in \[0, 1\)"),
+        ({"beta": -0.1}, r"beta must be a number in \[0, 1\)"),
+        ({"bits": 3}, "bits must be one of"),
+        ({"sign": 1}, "sign must be True or False"),
+    ],
+)
+def test_bad_options_are_refused(options, says):
+    with pytest.raises(ValueError, match=says):
+        unison.algorithms.create("demo", **options)
+
+
+def test_the_name_and_options_form():
+    a = unison.algorithms.create("demo:chunk=32,topk=2,sign=true,bits=4")
+    assert (a.chunk, a.topk, a.sign, a.bits, a.beta) == (32, 2, True, 4, 0.999)

@@ -1,0 +1,140 @@
+"""DeMo's wire format: an orthonormal DCT-II per chunk and the chunk-wise top-k of its coefficients
+(pure tensors, no communication).
+
+``dct_matrix(n)`` is the orthonormal DCT-II basis (rows are the cosines), so a chunk's coefficients
+are ``x @ D.T`` and ``c @ D`` is the chunk again. The top-k of the coefficients goes either through
+``engine.topk.TopK`` (2/4/8-bit values and a scale per chunk) or ``FullTopK``: the same fixed-size
+message with float32 values (the values, then the indices in the smallest integer type).
+
+See docs/algorithms.md#demo.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .topk import BLOCK, TopK, index_dtype
+
+CPU = torch.device("cpu")
+
+
+def dct_matrix(n: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal DCT-II matrix of size ``n`` (``D @ D.T`` is the identity): row ``k`` is
+    ``s_k cos(pi (2j + 1) k / 2n)`` over ``j``, ``s_0 = sqrt(1/n)``, ``s_k = sqrt(2/n)``.
+    Computed in float64, then cast."""
+    j = torch.arange(n, dtype=torch.float64)
+    k = j[:, None]
+    d = torch.cos(math.pi * (2 * j[None, :] + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    d[0] /= math.sqrt(2)
+    return d.to(device=device, dtype=dtype)
+
+
+def transform_(rows: torch.Tensor, matrix: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``rows = rows @ matrix`` in place (``rows`` ``[r, n]``), a block of rows at a time through
+    ``scratch`` (at least ``n`` values); returns ``rows``."""
+    n = matrix.shape[0]
+    per = max(1, scratch.numel() // n)
+    for r0 in range(0, rows.shape[0], per):
+        block = rows[r0 : r0 + per]
+        out = scratch[: block.numel()].view(block.shape)
+        torch.mm(block, matrix, out=out)
+        block.copy_(out)
+    return rows
+
+
+class FullTopK:
+    """The chunk-wise top-k of ``numel`` values (a whole number of chunks of ``chunk``) with
+    float32 values, in fixed-size messages: the values ``[chunks, k]``, then their positions in
+    the chunk (``[chunks, k]``, uint8 up to 256 values per chunk, int16 up to 32768), padded
+    to a multiple of 4 bytes. The face of ``engine.topk.TopK`` (``encode``, ``decode_add``, ``empty``).
+
+    Example::
+
+        codec = FullTopK(x.numel(), chunk=64, topk=4)   # x.numel() a multiple of 64
+        message = codec.encode(x, codec.empty())         # x keeps what was not sent
+        y = torch.zeros_like(x); codec.decode_add(message, y)
+    """
+
+    def __init__(
+        self, numel: int, chunk: int, topk: int, device: torch.device = CPU, scratch: Optional[torch.Tensor] = None
+    ) -> None:
+        if chunk < 1 or numel < 1 or numel % chunk:
+            raise ValueError(f"numel must be a positive multiple of chunk, got numel={numel!r}, chunk={chunk!r}")
+        if not 1 <= topk <= chunk:
+            raise ValueError(f"topk must be in [1, chunk={chunk}], got {topk!r}")
+        self.numel, self.size, self.k = numel, chunk, topk
+        self.chunks = numel // chunk
+        self.device = torch.device(device)
+        self.index_dtype = index_dtype(chunk)
+        width = torch.empty((), dtype=self.index_dtype).element_size()
+        count = self.chunks * topk
+        self._values = (0, 4 * count)
+        self._indices = (self._values[1], self._values[1] + width * count)
+        self.nbytes = -(-self._indices[1] // 4) * 4
+        self.block = max(1, min(self.chunks, BLOCK // chunk))
+        if scratch is None:
+            scratch = torch.empty(self.block * chunk, dtype=torch.float32, device=self.device)
+        self._magnitudes = scratch[: self.block * chunk].view(self.block, chunk)
+
+    @property
+    def padded(self) -> int:
+        return self.numel
+
+    def empty(self, rows: Optional[int] = None) -> torch.Tensor:
+        """A new message (``rows``: that many messages, ``[rows, nbytes]``)."""
+        shape = (self.nbytes,) if rows is None else (rows, self.nbytes)
+        return torch.zeros(shape, dtype=torch.uint8, device=self.device)
+
+    def parts(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one message: values ``[chunks, k]`` (float32) and indices ``[chunks, k]``."""
+        v, i = self._values, self._indices
+        values = message[v[0] : v[1]].view(torch.float32).view(self.chunks, self.k)
+        return values, message[i[0] : i[1]].view(self.index_dtype).view(self.chunks, self.k)
+
+    def encode(self, values: torch.Tensor, message: torch.Tensor, feedback: bool = True) -> torch.Tensor:
+        """Top-k by magnitude of each chunk of ``values`` (flat float32) into ``message``; with
+        ``feedback`` the sent entries are set to zero in ``values`` (the rest stays). Returns ``message``."""
+        grid = values.view(self.chunks, self.size)
+        sent, indices = self.parts(message)
+        for c0 in range(0, self.chunks, self.block):
+            rows = grid[c0 : c0 + self.block]
+            magnitudes = torch.abs(rows, out=self._magnitudes[: rows.shape[0]])
+            _, where = torch.topk(magnitudes, self.k, dim=1, sorted=False)
+            torch.gather(rows, 1, where, out=sent[c0 : c0 + rows.shape[0]])
+            indices[c0 : c0 + rows.shape[0]].copy_(where)
+            if feedback:
+                rows.scatter_(1, where, 0.0)
+        return message
+
+    def decode_add(self, message: torch.Tensor, target: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``target += alpha * decode(message)`` (``target`` flat float32, ``numel`` long); returns it.
+        One scatter-add with no repeated position: the same bits on every rank."""
+        sent, indices = self.parts(message)
+        values = sent * alpha if alpha != 1.0 else sent
+        target.view(self.chunks, self.size).scatter_add_(1, indices.long(), values)
+        return target
+
+
+Codec = Union[TopK, FullTopK]
+
+
+def codec(numel: int, chunk: int, topk: int, bits: Optional[int], device: torch.device, scratch: torch.Tensor) -> Codec:
+    """The top-k codec of ``numel`` values (whole chunks): float32 values (``bits=None``) or
+    ``bits``-bit values with one scale per chunk (``TopK``); both share ``scratch`` (at least
+    ``scratch_numel(numel, chunk)`` float32 values) for a block of magnitudes."""
+    if bits is None:
+        return FullTopK(numel, chunk, topk, device, scratch)
+    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch)
+
+
+def message_bytes(numel: int, chunk: int, topk: int, bits: Optional[int]) -> int:
+    """Bytes of one message of ``codec(numel, chunk, topk, bits, ...)`` (``numel`` a whole number of chunks)."""
+    chunks, count = numel // chunk, (numel // chunk) * topk
+    width = torch.empty((), dtype=index_dtype(chunk)).element_size()
+    if bits is None:
+        return -(-(4 + width) * count // 4) * 4
+    codes = -(-count // (8 // bits)) * (8 // bits) * bits // 8
+    return -(-(4 * chunks + width * count + codes) // 4) * 4
