@@ -65,6 +65,11 @@ BUDGET = {
     # with a delay, a fragment's weights at launch in flight (0.25 P).
     "sparseloco:period=4": 2.11,
     "sparseloco:period=8,fragments=4,delay=1": 2.36,
+    # demo: its momentum (1 P, float32), each bucket's messages (its own and every rank's: 3 of 7.8% of
+    # the bucket at 4 float32 values and uint8 indices per 64, 0.23 P; 2-bit values, 2 per 64: 0.08 P),
+    # the decoded average (one bucket, 0.06 P here) and the block shared by transforms and codecs (256 KiB).
+    "demo": 1.37,
+    "demo:bits=2,topk=2": 1.22,
 }
 
 
