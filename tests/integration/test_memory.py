@@ -54,8 +54,8 @@ BUDGET = {
     # Above the issue's budget: local_sgd kept the gradient buckets (1 P) once gradients were no longer
     # averaged (engine/reducer.py, another change).
     "local_sgd:period=4": 1.02,  # issue: 0.1
-    # Measured while its thread runs (after 2 rounds): a round's chunk of snapshot and wire buffer (half a
-    # bucket each: 0.06 P here, 0.03 P of the bench's model), never a copy of the model.
+    # Measured while its thread runs (after 2 rounds): the snapshot and wire buffers of a round's two chunks
+    # in flight (together a bucket: 0.06 P here; 8 MiB, 0.07 P of the bench's model), never a model's copy.
     "async:warmup_steps=2": 0.07,  # issue: 0.1
     # DASO is not in the issue's table; the model-averaging floor: its anchor (1 P, the last agreed average
     # bf16 differences are taken from). A sync's message (0.5 P in bf16) lives only while it travels.

@@ -3,12 +3,13 @@ other ranks' threads, until a round where some rank says stop.
 
 Round k meets round k everywhere on a private group. It starts with a one-integer
 allreduce (MIN) of a "keep going" flag, so every rank stops after the same round;
-then, chunk by chunk (``ChunkedRound``: about a bucket's worth of parameters), it
-snapshots the chunk under the state's lock, averages the snapshots (lock released:
-training goes on) and, under the lock, adds ``average - snapshot`` to the chunk.
-A round is thus one pass over the model whose chunks are snapshotted at different
-moments, each averaged exactly. Two chunk-sized buffers, kept for the thread's life,
-are all it holds: never a copy of the model. See docs/algorithms.md#async.
+then, chunk by chunk (``ChunkedRound``: a few MiB of parameters), it snapshots the
+chunk under the state's lock, averages the snapshots (lock released: training goes
+on) and, under the lock, adds ``average - snapshot`` to the chunk; the next chunk is
+snapshotted and launched while one travels. A round is thus one pass over the model
+whose chunks are snapshotted at different moments, each averaged exactly. The
+in-flight chunks' snapshot and wire buffers, kept for the thread's life, are all it
+holds: never a copy of the model. See docs/algorithms.md#async.
 """
 
 from __future__ import annotations
@@ -33,27 +34,44 @@ POLL_MAX_S = 0.002
 EXIT_JOIN_S = 5.0
 
 
+#: Chunks of a round in flight at once: the next chunk is snapshotted and launched while the last one travels.
+SLOTS = 2
+
+
+class Launched:
+    """One chunk's average in flight (``wire_bytes``: what it sends)."""
+
+    def __init__(self, works: list, wire_bytes: int) -> None:
+        self.works, self.wire_bytes = works, wire_bytes
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        while self.works:
+            comm.wait(self.works.pop(0))
+
+
 class ChunkedRound:
     """A round's average of ``params`` over ``group``, chunk by chunk: chunks of at most
     ``chunk_bytes`` (``comm.staged``: a large tensor cut into views), each snapshotted,
-    averaged and applied before the next, through two chunk-sized buffers (the snapshot
-    and the wire) allocated once per dtype and device: a round costs at most two chunks,
-    never a copy of the model. With ``levels`` a chunk is averaged in two levels (the
-    node's mean, shards across nodes, gathered), blocking in ``launch``.
+    averaged and applied, at most ``SLOTS`` in flight, each slot's snapshot and wire buffer
+    allocated once per dtype and device: a round costs ``2 * SLOTS`` chunks, never a copy
+    of the model. With ``levels`` a chunk is averaged in two levels (the node's mean,
+    shards across nodes, gathered), blocking in ``launch``.
 
-    ``wire_bytes`` is what the last chunk launched sent (hierarchical: both levels);
-    ``inter_bytes`` what a whole round sends across nodes (hierarchical).
+    ``inter_bytes`` is what a whole round sends across nodes (hierarchical).
 
     Example::
 
         r = ChunkedRound(params, group, chunk_bytes=1 << 20)
-        for i in range(len(r)):
+        for i in range(len(r)):  # chunk i in slot i % SLOTS: chunk i - SLOTS must be applied first
             with lock:
-                r.snapshot(i)  # one chunk's copy
-            r.launch(i); ...; r.wait()
-            r.delta(i)         # average - snapshot, in place
+                r.snapshot(i)    # one chunk's copy
+            pending = r.launch(i); ...; pending.wait()
+            r.delta(i)           # average - snapshot, in place
             with lock:
-                r.apply(i)     # added to the parameters
+                r.apply(i)       # added to the parameters
     """
 
     def __init__(
@@ -74,10 +92,16 @@ class ChunkedRound:
         # The wire buffer is padded to equal shards and used whole by every chunk of its kind
         # (zeros after the chunk): one length per kind, so the two levels keep one scratch per kind.
         first = {kind(t): t for t in self.params}
-        snaps = {k: first[k].new_empty(n) for k, n in longest.items()}
-        wires = {k: first[k].new_zeros(-(-n // multiple) * multiple) for k, n in longest.items()}
+        slots = [
+            (
+                {k: first[k].new_empty(n) for k, n in longest.items()},
+                {k: first[k].new_zeros(-(-n // multiple) * multiple) for k, n in longest.items()},
+            )
+            for _ in range(min(SLOTS, len(self.chunks)))
+        ]
         self.parts = []  # per chunk: (its tensors, snapshot, wire, their views)
-        for chunk in self.chunks:
+        for i, chunk in enumerate(self.chunks):
+            snaps, wires = slots[i % len(slots)]
             numel, k = sum(t.numel() for t in chunk), kind(chunk[0])
             snap, wire = snaps[k][:numel], wires[k] if levels is not None else wires[k][:numel]
             self.parts.append((chunk, snap, wire, split(snap, chunk), split(wire, chunk)))
@@ -86,8 +110,6 @@ class ChunkedRound:
             for _, _, wire, _, _ in self.parts:
                 shard = levels.shard_numel(wire.numel()) * wire.element_size()
                 self.inter_bytes += comm.ring_bytes(shard, levels.nodes)
-        self.wire_bytes = 0
-        self.works: list = []
         self.ptrs = [t.data_ptr() for t in self.params]
 
     def params_moved(self, params: Sequence[torch.Tensor]) -> bool:
@@ -102,7 +124,7 @@ class ChunkedRound:
         chunk, _, _, snaps, _ = self.parts[i]
         torch._foreach_copy_(snaps, chunk)
 
-    def launch(self, i: int) -> "ChunkedRound":
+    def launch(self, i: int) -> Launched:
         """Start averaging chunk ``i``'s snapshots: each rank sends its snapshot / world, summed
         (hierarchical: the two levels' average, done when this returns)."""
         _, snap, wire, _, _ = self.parts[i]
@@ -114,20 +136,10 @@ class ChunkedRound:
             if h.local_size > 1:
                 wire.div_(h.local_size)
             h.gather(wire, h.cross_average(h.scatter(wire)))
-            self.wire_bytes = h.sent - before
-            return self
+            return Launched([], h.sent - before)
         torch.div(snap, self.world, out=wire)
-        self.works = [comm.start(dist.all_reduce, wire, group=self.group)]
-        self.wire_bytes = comm.ring_bytes(wire.numel() * wire.element_size(), self.world)
-        return self
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        for w in self.works:
-            comm.wait(w)
-        self.works = []
+        work = comm.start(dist.all_reduce, wire, group=self.group)
+        return Launched([work], comm.ring_bytes(wire.numel() * wire.element_size(), self.world))
 
     def delta(self, i: int) -> None:
         """Turn chunk ``i``'s average into ``average - snapshot``, in place."""
@@ -194,25 +206,31 @@ class AveragingThread(threading.Thread):
         return go_on
 
     def _round(self) -> None:
-        """Chunk by chunk: average the snapshots and add (average - own snapshot) to the parameters."""
+        """Chunk by chunk: average the snapshots and add (average - own snapshot) to the parameters;
+        the next chunk is snapshotted and launched while the last one travels."""
         s = self.state
         params = [p.data for p in s.params]  # .data: no version bump
         if self.buffers is None or self.buffers.params_moved(params):
             self.buffers = None  # the old chunks' buffers go before the new ones come
             self.buffers = s.new_round(params)
         buffers = self.buffers
-        for i in range(len(buffers)):
-            with s.lock:
-                buffers.snapshot(i)
-            pending = buffers.launch(i)
-            s.bytes_sent += pending.wire_bytes
-            self._wait(pending)
-            buffers.delta(i)
-            with s.lock:
-                buffers.apply(i)
+        flight: list[tuple[int, Launched]] = []
+        for i in range(len(buffers) + SLOTS - 1):
+            if i < len(buffers):
+                with s.lock:
+                    buffers.snapshot(i)
+                pending = buffers.launch(i)
+                s.bytes_sent += pending.wire_bytes
+                flight.append((i, pending))
+            if len(flight) == SLOTS or (i >= len(buffers) and flight):
+                done, pending = flight.pop(0)
+                self._wait(pending)
+                buffers.delta(done)
+                with s.lock:
+                    buffers.apply(done)
         s.rounds += 1
 
-    def _wait(self, pending: ChunkedRound) -> None:
+    def _wait(self, pending: Launched) -> None:
         """Wait for the average, or raise once the timeout has passed (a rank whose thread
         failed before sending its part would otherwise keep this one waiting)."""
         s = self.state
