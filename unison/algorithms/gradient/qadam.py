@@ -179,6 +179,7 @@ def _scale(opt: QAdamOptimizer, bucket: Bucket, inverse: bool) -> None:
     a cached copy held, without keeping two copies of the parameters.
     """
     settings = {id(p): group for group in opt.param_groups for p in group["params"]}
+    work = []  # (a piece of the bucket, the same piece of its variance, sqrt(correction), eps)
     for view, p in zip(bucket.views, bucket.params):
         variance = opt.state.get(p, {}).get("exp_avg_sq")
         if variance is None:
@@ -186,10 +187,23 @@ def _scale(opt: QAdamOptimizer, bucket: Bucket, inverse: bool) -> None:
             continue
         group = settings[id(p)]
         root_correction = math.sqrt(1 - group["betas"][1] ** opt.warmup_steps)
-        for part, v in _pieces(view, variance):
-            denom = torch.sqrt(v).div_(root_correction).add_(group["eps"])
-            denom.masked_fill_(v == 0, 0.0)
-            part.mul_(torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom)) if inverse else denom)
+        work += [(part, v, root_correction, group["eps"]) for part, v in _pieces(view, variance)]
+    if not work:
+        return
+    widest = max(part.numel() for part, *_ in work)
+    scratch = bucket.flat.new_empty(widest)  # each piece's denominator in turn
+    where = torch.empty(widest, dtype=torch.bool, device=bucket.flat.device)
+    for part, v, root_correction, eps in work:
+        # The cached version's ops, element for element: d = sqrt(v) / sqrt(correction) + eps, 0 where
+        # v is 0; its inverse 1 / d, 0 where d is not positive (v 0 or NaN).
+        n, flat_v = part.numel(), v.reshape(-1)
+        denom = torch.sqrt(flat_v, out=scratch[:n]).div_(root_correction).add_(eps)
+        if inverse:
+            mask = torch.gt(flat_v, 0, out=where[:n]).logical_not_()
+            denom.reciprocal_()
+        else:
+            mask = torch.eq(flat_v, 0, out=where[:n])
+        part.view(-1).mul_(denom.masked_fill_(mask, 0.0))
 
 
 def _pieces(view: torch.Tensor, variance: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
