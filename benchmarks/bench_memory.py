@@ -5,7 +5,8 @@ of fp32 weights) for 12 steps at batch 32 per rank, SGD with momentum 0.9 (QAdam
 with its own optimizer, against local Adam). Every contender runs in fresh
 processes, built from the same seed, with glibc's mmap threshold fixed at 1 MiB
 (``MALLOC_MMAP_THRESHOLD_``) so that a freed buffer leaves the resident set
-instead of staying in the heap. Per rank it records:
+instead of staying in the heap (``--glibc-default`` leaves glibc's dynamic
+threshold as it is, to see what that costs). Per rank it records:
 
 * ``live``: the bytes of every tensor storage reachable from Python at the end
   (``unison.memory.live_tensor_bytes``: each storage once, the gradients and the
@@ -27,6 +28,8 @@ Example::
 
     python benchmarks/bench_memory.py                              # about 3 minutes
     python benchmarks/bench_memory.py --contenders local,ddp,allreduce --json /tmp/m.json
+    python benchmarks/bench_memory.py --contenders local,ddp,allreduce,local_sgd,diloco --glibc-default \
+        --json benchmarks/results/memory_glibc_default.json
 
 Prints a table; writes benchmarks/results/memory.json (or ``--json PATH``).
 """
@@ -137,9 +140,12 @@ def worker(args: dict) -> dict:
     return out
 
 
-def run(spec: str, steps: int, batch: int, nodes: int) -> list[dict]:
+def run(spec: str, steps: int, batch: int, nodes: int, glibc_default: bool = False) -> list[dict]:
     os.environ["UNISON_NODES"] = str(nodes)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by the spawned ranks' glibc at start
+    if glibc_default:  # glibc's own, dynamic threshold: freed large buffers may stay resident
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by the spawned ranks' glibc at start
     results = launch(worker, 2, {"spec": spec, "steps": steps, "batch": batch})
     return [results[r] for r in sorted(results)]
 
@@ -171,6 +177,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (UNISON_NODES) the 2 ranks form")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "memory.json"))
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's mmap threshold as it is (the resident set then keeps freed buffers: see docs)",
+    )
     args = parser.parse_args(argv)
     contenders = split_contenders(args.contenders)
     for base in ("local", "local_adam"):
@@ -178,7 +189,7 @@ def main(argv=None) -> int:
             contenders.insert(0, base)
     measured = {}
     for spec in contenders:
-        measured[spec] = run(spec, args.steps, args.batch, args.nodes)
+        measured[spec] = run(spec, args.steps, args.batch, args.nodes, args.glibc_default)
         print(f"measured {spec}", file=sys.stderr, flush=True)
     summary = summarize(measured)
     p = summary["local"]["P_bytes"]
@@ -187,7 +198,13 @@ def main(argv=None) -> int:
     for spec, e in summary.items():
         cuda = f"{e['cuda_P']:7.2f}" if "cuda_P" in e else f"{'-':>7}"
         print(f"{spec:34} {e['live_P']:7.2f} {e['rss_P']:7.2f} {e['peak_P']:9.2f} {e['construct_P']:9.2f} {cuda}")
-    config = {"steps": args.steps, "batch": args.batch, "nodes": args.nodes, "contenders": contenders}
+    config = {
+        "steps": args.steps,
+        "batch": args.batch,
+        "nodes": args.nodes,
+        "contenders": contenders,
+        "malloc": "glibc default" if args.glibc_default else "MALLOC_MMAP_THRESHOLD_=1048576",
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"config": config, "torch": torch.__version__, "summary": summary, "ranks": measured}, f, indent=2)
