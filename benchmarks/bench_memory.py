@@ -54,7 +54,8 @@ from unison.memory import live_tensor_bytes, parameter_bytes, peak_rss_bytes
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = (
     "local,local_adam,ddp,allreduce,fp16,bf16,bytegrad,powersgd:rank=4,qadam,nonblocking,"
-    "local_sgd,async,decentralized,decentralized:peer_selection=ring,low_precision_decentralized,diloco,daso:warmup_epochs=0"
+    "local_sgd,async,decentralized,decentralized:peer_selection=ring,low_precision_decentralized,diloco,"
+    "daso:warmup_epochs=0,sparseloco,demo"
 )
 BASELINE = {"qadam": "local_adam", "local_adam": "local_adam"}  # what a contender is compared with
 
