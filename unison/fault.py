@@ -140,9 +140,26 @@ def _zeros(value: Any) -> Any:
     return value
 
 
-def is_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` means a membership change (and not a bug, nor the job's end)."""
-    return isinstance(exc, MembershipChanged) or health.is_comm_failure(exc)
+def is_failure(exc: BaseException, worker: Optional[Member] = None) -> bool:
+    """Whether ``exc`` means a membership change (and not a bug, nor the job's end), told by its
+    type, the membership epoch and the coordinator's record, never by its message:
+
+    - ``MembershipChanged``: a wait saw a newer membership;
+    - torch.distributed's DistBackendError, DistNetworkError, DistStoreError, a TimeoutError or a
+      ConnectionError: the transport, the backend or the store failed (the error or one it was
+      raised from: an algorithm's thread reports its failure so);
+    - a collective's own RuntimeError (gloo's "Connection closed by peer", first raised inside
+      torch.distributed or unison, ``health.raised_in_a_collective``): only when the
+      coordinator publishes a newer membership within ``member.FAILURE_GRACE_S`` (it recorded a
+      death, an eviction or a leave). Without one it is the caller's error, raised at once.
+
+    Anything else (a bad shape, a user's exception, ``RankFailure``) is raised, never retried.
+    """
+    if isinstance(exc, health.RankFailure):
+        return False
+    if any(isinstance(e, (MembershipChanged, *health.FAILURE_TYPES)) for e in health.causes(exc)):
+        return True
+    return health.raised_in_a_collective(exc) and worker is not None and worker.membership_moved()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +288,7 @@ class FaultTolerance:
             self._swallow = False
             return False
         self.step += 1
+        self._member.committed_step = self.step  # rank 0's heartbeat publishes it (ft/step)
         return True
 
     def at_boundary(self) -> None:
@@ -290,7 +308,7 @@ class FaultTolerance:
 
         ``local``: this member's saved gradients of the interrupted gradient round.
         """
-        if self._recovering or not is_failure(exc):
+        if self._recovering or not is_failure(exc, self._member):
             return False
         self.note("failure", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         self._settled(kind, local, regroup=True)
@@ -304,12 +322,12 @@ class FaultTolerance:
                 try:
                     if regroup:
                         doc = self._member.regroup()
-                        for group in forget_private_groups():
-                            self._member.bury(group)
+                        forget_private_groups()  # the old membership's: destroyed with it (Member.groups)
                         self.note(
                             "regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})"
                         )
                         self._guarded().regrouped()
+                        self._release_engines()
                         self._reshard()
                     self._settle(kind, local)
                     gone = sorted(before - set(self._member.members))
@@ -320,12 +338,20 @@ class FaultTolerance:
                         )
                     return
                 except Exception as again:
-                    if not is_failure(again):
+                    if not is_failure(again, self._member):
                         raise
                     self.note("failure", str(again).splitlines()[0][:200])
                     regroup = True
         finally:
             self._recovering = False
+
+    def _release_engines(self) -> None:
+        """The engines the Core left behind at a membership change hold the old groups: hand them
+        to the reaper (their works hold their own buffers), so that the groups can be destroyed."""
+        core = self._guarded().core
+        for engine in core.abandoned:
+            self._member.bury(engine)
+        core.abandoned.clear()
 
     def _reshard(self) -> None:
         """Tell attached objects that deal work by rank (a ShardSampler) of the new membership."""
@@ -418,6 +444,7 @@ class FaultTolerance:
         algorithm state (error feedback) starts at zero in a ``fresh`` worker; a member keeps its own."""
         model = self._guarded()
         self.step = payload["step"]
+        self._member.committed_step = self.step
         model.module.load_state_dict(payload["module"])
         for opt, state in zip(model.core.optimizers, payload["optimizers"]):
             opt.load_state_dict(state)

@@ -214,6 +214,8 @@ def test_the_status_json_shows_a_kill_and_the_members_going_on(launcher):
     assert all(w["state"] == "member" and w["last_heartbeat_s_ago"] < 2.0 for w in by_id.values())
     assert doc["failures"] == [] and doc["respawns"] == [] and doc["joins"] == []
     assert "committed_step" in doc
+    step = job.wait_for("the committed step", lambda: (s := job.status()["committed_step"]) is not None and [s])[0]
+    assert isinstance(step, int) and step >= 0  # rank 0 writes ft/step at its heartbeat when it changed
 
     victim = by_id[1]["pid"]
     assert victim in job.pids()  # one of this test's workers
@@ -231,6 +233,7 @@ def test_the_status_json_shows_a_kill_and_the_members_going_on(launcher):
     later = job.status()
     assert all(w["last_heartbeat_s_ago"] < 2.0 for w in later["workers"] if w["id"] in (0, 2))
     assert {w["id"]: w["heartbeats"] for w in later["workers"]}[0] > workers[0]["heartbeats"]
+    assert isinstance(later["committed_step"], int) and later["committed_step"] >= step  # still published
     kinds = [e["kind"] for e in later["events"]]
     assert kinds.count("regroup") == 2 and "failure" in kinds
 

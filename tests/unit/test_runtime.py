@@ -205,7 +205,7 @@ def test_a_failure_with_the_store_gone_names_whoever_hosted_it(monkeypatch, agen
     monkeypatch.setattr(health, "_heartbeat", beat)
     try:
         del server  # its host died
-        failure = health.explain(RuntimeError("Connection reset by peer"), "the allreduce")
+        failure = health.explain(dist.DistNetworkError("Connection reset by peer"), "the allreduce")
     finally:
         beat.close()
     assert isinstance(failure, unison.RankFailure)

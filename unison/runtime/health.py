@@ -103,26 +103,49 @@ def advance() -> None:
         _heartbeat.progress += 1
 
 
+#: What torch.distributed raises when the transport, the backend or the store fails: a failure by
+#: its type, whatever its message says.
+FAILURE_TYPES: tuple[type[BaseException], ...] = (
+    dist.DistBackendError,
+    dist.DistNetworkError,
+    dist.DistStoreError,
+    TimeoutError,
+    ConnectionError,
+)
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from (``raise ... from``), outermost first."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def raised_in_a_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` may be a collective's own error: its first cause is a plain RuntimeError
+    raised inside torch.distributed or unison's own code (gloo reports a peer's death so:
+    "Connection closed by peer"). One first raised in the caller's code (a script's hook, its
+    model) is the caller's. Told by where it was raised (the innermost frame of its traceback),
+    never by its message."""
+    root = causes(exc)[-1]
+    if type(root) is not RuntimeError or root.__traceback__ is None:
+        return False
+    tb = root.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module.startswith(("torch.distributed", "unison.")) and not module.startswith("unison.apps")
+
+
 def is_comm_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because of a peer (not a bug in the caller)."""
+    """Whether ``exc`` may be a collective failing because of a peer (not a bug in the caller): by
+    its type or a cause's (``FAILURE_TYPES``), or a collective's own RuntimeError
+    (``raised_in_a_collective``). Whether a peer did fail is then for the record of who died to
+    say (heartbeats here, the coordinator's memberships under fault tolerance)."""
     if isinstance(exc, RankFailure):
         return False
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text
-        for s in (
-            "Connection reset",
-            "Connection closed",
-            "Connection refused",
-            "Broken pipe",
-            "Timed out",
-            "timed out",
-            "gloo",
-            "NCCL",
-        )
-    )
+    return any(isinstance(e, FAILURE_TYPES) for e in causes(exc)) or raised_in_a_collective(exc)
 
 
 def explain(exc: BaseException, what: str) -> BaseException:
@@ -130,7 +153,8 @@ def explain(exc: BaseException, what: str) -> BaseException:
     hb = _heartbeat
     if hb is None or not is_comm_failure(exc):
         return exc
-    original = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    # The first line of the error and of each it was raised from (an algorithm's thread wraps its own).
+    original = " <- ".join(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for e in causes(exc))
     advice = (
         "Check that process's log; with torchrun --max-restarts, training resumes from the last unison.save checkpoint."
     )

@@ -7,16 +7,17 @@ membership epoch. Every wait on a collective goes through ``Member.wait``,
 which polls the work together with that epoch: when membership changes, the
 wait raises ``MembershipChanged`` instead of blocking on a dead or stopped
 peer. ``regroup`` then builds torch.distributed's default group again over
-the new members; the abandoned groups and works are kept alive, never reused.
+the new members; the abandoned groups are aborted (where the backend can), unregistered, and
+let go by a reaper thread once their work has ended (``_Reaper``), never on the training thread.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -38,6 +39,10 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("UNISON_FT_TIMEO
 #: How long the members of a membership wait for each other while they build its group (they are
 #: all ready when they start: only one that died or stopped since then is waited out).
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=10)
+#: Seconds a collective's own error (a plain RuntimeError: gloo's "Connection closed by peer") waits
+#: for the coordinator to record a membership change before it counts as the user's error: more
+#: than the coordinator's heartbeat timeout (2 s), which evicts a worker it does not see die.
+FAILURE_GRACE_S = float(os.environ.get("UNISON_FT_FAILURE_GRACE", "5"))
 
 
 class _WaitedOnThread:
@@ -65,6 +70,95 @@ class _WaitedOnThread:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class _Reaper:
+    """Lets go of what old memberships left behind (groups, works, engines) on a daemon thread of
+    its own, never on the training thread.
+
+    A gloo group's destructor joins its worker threads, and a worker thread first finishes the
+    collective it is in: with a peer that stopped, or that never posted its part because it moved
+    on to the next membership, only at the group's backstop timeout (``GROUP_TIMEOUT``). Run on the
+    training thread that would stall a regroup by up to that timeout, and the process's exit too.
+    So a work is held until it has ended, then dropped; a group (already aborted where the backend
+    can, and unregistered from torch) is held until nothing else holds it, then dropped here,
+    where its destructor may wait without holding anyone up. Anything else is dropped at once.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.held = 0  # taken and not let go yet (tests read it)
+
+    def take(self, obj: Any) -> None:
+        with self._lock:
+            self.held += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._queue,), name="unison-ft-reaper", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(obj)
+
+    def _run(self, inbox: queue.SimpleQueue) -> None:
+        held: list[Any] = []
+        pause = 0.05
+        while True:
+            # Wait for something while nothing is held; while something is, look again after 50 ms,
+            # twice as long each time nothing could go (up to 1 s).
+            before = len(held)
+            self._receive(inbox, held, timeout=pause if held else None)
+            received, i = len(held) > before, 0
+            while i < len(held):
+                if _releasable(held, i):
+                    del held[i]  # a group's destructor runs here, joining its threads
+                    with self._lock:
+                        self.held -= 1
+                    received = True
+                else:
+                    i += 1
+            pause = 0.05 if received else min(1.0, 2 * pause)
+
+    def _receive(self, inbox: queue.SimpleQueue, held: list[Any], timeout: Optional[float]) -> None:
+        """Move what was handed over into ``held`` (the locals holding it end with this call)."""
+        taken: list[Any] = []
+        try:
+            taken.append(inbox.get(timeout=timeout))
+            while True:
+                taken.append(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        for obj in taken:
+            if any(obj is h for h in held):  # handed over twice: held once
+                with self._lock:
+                    self.held -= 1
+            else:
+                held.append(obj)
+
+
+def _releasable(held: list[Any], i: int) -> bool:
+    """Whether ``held[i]`` may be let go now: a work once it has ended, a group once ``held`` is
+    the only holder left (its destructor then runs on the reaper), anything else at once."""
+    obj = held[i]
+    if isinstance(obj, dist.ProcessGroup):
+        del obj
+        return sys.getrefcount(held[i]) <= 2  # the list's reference and the argument's
+    finished = getattr(obj, "done", None) or getattr(obj, "is_completed", None)
+    return finished is None or bool(finished())
+
+
+def _abort(group: Any) -> None:
+    """Cut a group's pending work short where its backend can: NCCL's ``abort`` (ncclCommAbort)
+    ends its kernels and lets ``destroy_process_group`` and the destructor go through at once.
+    Gloo's does nothing in torch 2.13 (its worker threads end with their collectives)."""
+    abort = getattr(group, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # nothing to cut, or not supported by this backend: destruction still follows
+        pass
 
 
 class MembershipChanged(RuntimeError):
@@ -108,7 +202,10 @@ class Member:
         self.lost: Optional[str] = None  # why the job cannot go on (coordinator gone, abort)
         self.veteran = False  # this process finished a settle (fault tolerance's): it holds the job's state
         self._admitted = False  # a membership with this worker was published (left out later: evicted)
-        self.graveyard: list[Any] = []  # abandoned groups and works (see bury)
+        self.reaper = _Reaper()  # lets go of abandoned groups and works (see bury)
+        self.groups: list[Any] = []  # the groups built for this membership beside its default group
+        self.committed_step: Optional[int] = None  # the job's committed step, as model.ft last saw it
+        self._published_step: Optional[int] = None  # what this worker last wrote under ft/step
         self._polled = time.monotonic()  # when the watcher last read the epoch
         self._stop = threading.Event()
         self.store.set(f"ft/join/{self.id}", str(os.getpid()))
@@ -124,6 +221,7 @@ class Member:
             try:
                 if n % beats_every == 0:
                     self._watch_store.add(f"ft/hb/{self.id}", 1)
+                    self._publish_step()
                 if self._watch_store.check(["ft/epoch"]):
                     self.latest = int(self._watch_store.get("ft/epoch"))
                 if self._watch_store.check(["ft/abort"]):
@@ -135,6 +233,15 @@ class Member:
             self._polled = time.monotonic()
             n += 1
             self._stop.wait(POLL_S)
+
+    def _publish_step(self) -> None:
+        """Rank 0 of the current membership writes the committed step under ``ft/step`` (the
+        coordinator's status page reads it), at heartbeat time and only when it changed: no
+        store round trip per step."""
+        step, members = self.committed_step, self.members
+        if step is not None and step != self._published_step and members and members[0] == self.id:
+            self._watch_store.set("ft/step", str(step))
+            self._published_step = step
 
     # ---- asking -------------------------------------------------------------------------
     def check(self) -> None:
@@ -154,6 +261,17 @@ class Member:
         if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
             self.latest = int(self.store.get("ft/epoch"))
         return self.latest != self.epoch
+
+    def membership_moved(self, within: float = FAILURE_GRACE_S) -> bool:
+        """Whether the coordinator publishes a membership newer than this worker's groups' within
+        ``within`` seconds (it records a death, an eviction, a leave, a joiner or a rebuild so): what
+        tells a collective's own error that a peer failed from an error of the caller's."""
+        deadline = time.monotonic() + within
+        while not self.changed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S / 4)
+        return True
 
     def wanted_now(self) -> bool:
         """Whether a newer membership waits for this worker to regroup between two steps: it
@@ -318,18 +436,23 @@ class Member:
         self.store.set(f"ft/rebuild/{epoch}", str(self.id))
 
     def _abandon(self) -> None:
-        """Forget the current groups without destroying them (their work may still be running);
-        the caller buries unison's private groups of them (``runtime.forget_private_groups``)."""
-        if dist.is_initialized():
-            self.bury(dist.group.WORLD)
-            dist.destroy_process_group()
+        """Abort and destroy the current membership's groups (its default group and those built
+        with ``new_group``) without waiting for their work: aborted where the backend can (NCCL),
+        unregistered from torch, then let go by the reaper once their work has ended."""
+        if not dist.is_initialized():
+            return
+        groups = [dist.group.WORLD, *self.groups]
+        self.groups = []
+        for group in groups:
+            _abort(group)
+        dist.destroy_process_group()  # every group; gloo's shutdown does not wait for their work
+        for group in groups:
+            self.bury(group)
 
     def bury(self, obj: Any) -> None:
-        """Keep ``obj`` (a group or a work of an old membership) alive for good: a gloo group's
-        destructor joins its threads, which wait out the group timeout on a stopped peer, and
-        would hold up this process's exit. The memory goes with the process."""
-        self.graveyard.append(obj)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        """Hand ``obj`` (a group, a work or an engine of an old membership) to the reaper, which lets
+        go of it off the training thread once that cannot block: see ``_Reaper``."""
+        self.reaper.take(obj)
 
     def leave(self) -> None:
         """Leave the job gracefully: the others regroup without this worker."""
@@ -371,6 +494,7 @@ def new_group(build: Any, timeout: Optional[datetime.timedelta]) -> Any:
         return build(timeout)
     group = build(RENDEZVOUS_TIMEOUT)
     _backstop(group)
+    _member.groups.append(group)  # destroyed with its membership (Member._abandon)
     return group
 
 
