@@ -66,6 +66,9 @@ class Dispatcher:
     def grad_scale(self, world_size: int) -> float:
         return self.algorithm.grad_scale(self.replica, self.state, world_size)
 
+    def lets_buckets_go(self) -> bool:
+        return self.algorithm.stops_gradient_sync
+
     def reduce_bucket(self, bucket: Bucket, group: Optional[dist.ProcessGroup]) -> Optional[Waitable]:
         return self.algorithm.reduce_bucket(self.replica, self.state, bucket, group)
 

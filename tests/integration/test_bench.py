@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import unison
 from unison.apps import cli
 from unison.apps.bench import contenders, netem, report, runner, workloads
 from unison.apps.bench.worker import Judge, Stop, WorkerConfig, WorkerResult
@@ -63,7 +64,7 @@ def test_contender_specs():
     assert [s.kind for s in specs] == ["torch", "unison", "unison", "torch"]
     every = [s.text for s in contenders.parse_list(None)]
     assert {"ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd", "ppe_ddp", "allreduce:autotune=true"} <= set(every)
-    assert len(every) == 5 + 13 + 1
+    assert len(every) == 5 + len(unison.algorithms.names()) + 1
     assert [s.text for s in contenders.parse_list(None, quick=True)] == contenders.QUICK
     with pytest.raises(ValueError, match="unknown contender 'nccl_magic'"):
         contenders.parse_list("ddp,nccl_magic")

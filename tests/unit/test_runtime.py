@@ -210,3 +210,20 @@ def test_a_failure_with_the_store_gone_names_whoever_hosted_it(monkeypatch, agen
         beat.close()
     assert isinstance(failure, unison.RankFailure)
     assert named in str(failure) and failure.ranks == ranks
+
+
+def test_a_raise_in_unisons_own_code_is_no_peer_failure():
+    # A check unison raises itself (static_graph's "the graph changed") is deterministic: told from
+    # a transport's error coming out of native code by how it was raised, whatever the text says.
+    from unison.runtime import health
+
+    scope: dict = {"__name__": "unison.engine.example", "torch": torch}
+    exec(
+        "def checked():\n    raise RuntimeError('gloo: Connection closed by peer, timed out')\n"
+        "def native():\n    return torch.empty(-1)\n",
+        scope,
+    )
+    for fn, failure in ((scope["checked"], False), (scope["native"], True)):
+        with pytest.raises(RuntimeError) as caught:
+            fn()
+        assert health.is_comm_failure(caught.value) is failure, fn

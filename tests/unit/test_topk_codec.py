@@ -127,7 +127,7 @@ def test_decode_add_adds_scaled_into_the_target():
         ({"chunk": 0}, "chunk must be a positive integer"),
         ({"topk": 5000}, r"topk must be at most chunk \(4096\)"),
         ({"beta": 1.5}, r"beta must be a number in \[0, 1\]"),
-        ({"hierarchical": True}, "hierarchical=False"),
+        ({"hierarchical": True}, "has no option .hierarchical."),
         ({"period": 4, "fragments": 5}, "fragments"),
     ],
 )

@@ -86,6 +86,11 @@ class Algorithm(Generic[S]):
     #: reduction must see every gradient (a compressor with error feedback) says False and is
     #: refused at construction for such a model.
     sparse_gradients: ClassVar[bool] = True
+    #: Whether gradient averaging, once ``sync_gradients`` says False, stays off (a warm-up has
+    #: ended): the engine then lets its buckets go (1 P), to make them again should it resume.
+    #: An algorithm that alternates (DASO's skipped batches) keeps them, rather than make them anew
+    #: at every synchronized batch.
+    stops_gradient_sync: ClassVar[bool] = False
 
     #: Options declared the earlier way (``period = options.Int(16)``), with their checks.
     legacy_options: ClassVar[dict[str, checks.Option]] = {}

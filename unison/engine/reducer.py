@@ -53,6 +53,8 @@ class Questions(Protocol):
 
     def grad_scale(self, world_size: int) -> float: ...
 
+    def lets_buckets_go(self) -> bool: ...
+
     def reduce_bucket(
         self, bucket: bucketing.Bucket, group: Optional[dist.ProcessGroup]
     ) -> Optional[comm.Waitable]: ...
@@ -101,7 +103,7 @@ class GradReducer:
     Args:
         params, names: the parameters that require grad, and their names.
         group: the process group gradients are averaged over.
-        dispatcher: answers ``sync_gradients()``, ``grad_scale(world)``,
+        dispatcher: answers ``sync_gradients()``, ``grad_scale(world)``, ``lets_buckets_go()``,
             ``reduce_bucket(bucket, group)``, ``bucket_wire_bytes(bucket, world)``
             and hears ``after_backward()`` (``unison.events.Dispatcher``).
         bucket_cap_bytes: the size of a bucket (the first is at most 1 MiB).
@@ -345,14 +347,14 @@ class GradReducer:
             Variable._execution_engine.queue_callback(self._end_pass)
 
     def _decide(self) -> bool:
-        """Whether this pass synchronizes (asked once per pass). When the algorithm stops
-        synchronizing gradients (a model-averaging algorithm past its warm-up), the buckets'
-        buffers are let go; the next synchronized pass makes them again."""
+        """Whether this pass synchronizes (asked once per pass). When the algorithm has stopped
+        synchronizing gradients for good (``lets_buckets_go``: a model-averaging algorithm past
+        its warm-up), the buckets' buffers are let go; a later synchronized pass makes them again."""
         sync = self._sync if self.decide_sync is None else self.decide_sync()
         synced = bool(sync and self.dispatcher.sync_gradients())
         if not synced:
             self.nonfinite_checked = False
-            if sync and self.buckets and not self._unfinished:
+            if sync and self.buckets and not self._unfinished and self.dispatcher.lets_buckets_go():
                 self._release()
         return synced
 

@@ -11,10 +11,12 @@ group; when a collective fails, ``explain`` reads them and raises
 from __future__ import annotations
 
 import atexit
+import dis
 import functools
 import os
 import threading
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -124,10 +126,11 @@ def causes(exc: BaseException) -> list[BaseException]:
 
 def raised_in_a_collective(exc: BaseException) -> bool:
     """Whether ``exc`` may be a collective's own error: its first cause is a plain RuntimeError
-    raised inside torch.distributed or unison's own code (gloo reports a peer's death so:
-    "Connection closed by peer"). One first raised in the caller's code (a script's hook, its
-    model) is the caller's. Told by where it was raised (the innermost frame of its traceback),
-    never by its message."""
+    that came out of native code called from torch.distributed or unison's own code (gloo
+    reports a peer's death so: "Connection closed by peer"). One first raised in the caller's
+    code (a script's hook, its model), or by a ``raise`` statement (a deterministic check), is
+    not. Told by where and how it was raised (the innermost frame of its traceback and the
+    instruction it was running), never by its message."""
     root = causes(exc)[-1]
     if type(root) is not RuntimeError or root.__traceback__ is None:
         return False
@@ -135,7 +138,19 @@ def raised_in_a_collective(exc: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     module = str(tb.tb_frame.f_globals.get("__name__", ""))
-    return module.startswith(("torch.distributed", "unison.")) and not module.startswith("unison.apps")
+    ours = module.startswith(("torch.distributed", "unison.")) and not module.startswith("unison.apps")
+    return ours and _raised_by_native_code(tb)
+
+
+def _raised_by_native_code(tb: types.TracebackType) -> bool:
+    """Whether the innermost frame was calling native code (a Work's ``wait``, a collective)
+    when the error came, rather than running a ``raise`` of its own: unison's and torch's own
+    deterministic errors (a changed static graph, a bad argument) are raised, a transport's
+    failure comes out of a call."""
+    for ins in dis.get_instructions(tb.tb_frame.f_code):
+        if ins.offset == tb.tb_lasti:
+            return ins.opname not in ("RAISE_VARARGS", "RERAISE")
+    return True
 
 
 def is_comm_failure(exc: BaseException) -> bool:

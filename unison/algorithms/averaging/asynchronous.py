@@ -152,6 +152,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     name = "async"
     replicas_drift = True
     needs_optimizers = True
+    stops_gradient_sync = True  # after its warm-up
     sync_interval_ms: float = 50.0
     warmup_steps: int = 0
     hierarchical: bool = False

@@ -66,6 +66,7 @@ class LocalSGD(Streamed[LocalSGDState]):
     name = "local_sgd"
     replicas_drift = True
     needs_optimizers = True
+    stops_gradient_sync = True  # after its warm-up
     period: int = 16
     warmup_steps: int = 0
     hierarchical: bool = False
