@@ -18,7 +18,7 @@ import itertools
 import logging
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -93,34 +93,28 @@ def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: Optional
     check_same_everywhere(what, entries, group, describe_entry)
 
 
-def takes_sparse_gradients(algorithm: Union[Algorithm[Any], type[Algorithm[Any]]]) -> bool:
-    """Whether ``algorithm`` accepts parameters with sparse gradients (``nn.Embedding(sparse=True)``).
-
-    The gradient engine sums those itself with a sparse allreduce, outside the
-    buckets an algorithm reduces; an algorithm whose reduction must see every
-    gradient (a compressor with error feedback, QAdam's momentum) says
-    ``sparse_gradients = False``. Model averaging never reduces gradients.
-    """
-    return algorithm.sparse_gradients
-
-
 def sparse_positions(
-    trainable: Sequence[tuple[str, torch.Tensor]], modules: Iterable[nn.Module], extra: Iterable[torch.Tensor] = ()
+    algorithm: Algorithm[Any],
+    trainable: Sequence[tuple[str, torch.Tensor]],
+    modules: Iterable[nn.Module],
+    extra: Iterable[torch.Tensor] = (),
 ) -> list[int]:
     """Positions in ``trainable`` of the parameters that get sparse gradients, decided at
-    construction as torch DDP decides (``unison.engine.sparse.expected``), plus ``extra``."""
+    construction as torch DDP decides (``unison.engine.sparse.expected``), plus ``extra``.
+
+    Raises ValueError, naming the first such parameter and the algorithms that take them,
+    when there are some and ``algorithm`` says ``sparse_gradients = False`` (its reduction
+    must see every gradient: a compressor with error feedback, QAdam's momentum). The
+    engine sums them itself, outside the buckets; model averaging never reduces gradients.
+    """
     ids = sparse_grads.expected(modules) | {id(p) for p in extra}
-    return [i for i, (_, p) in enumerate(trainable) if id(p) in ids]
-
-
-def check_sparse_support(algorithm: Algorithm[Any], name: str) -> None:
-    """Refuse an algorithm that cannot take sparse gradients, naming the parameter ``name``
-    and the algorithms that can."""
-    if takes_sparse_gradients(algorithm):
-        return
+    positions = [i for i, (_, p) in enumerate(trainable) if id(p) in ids]
+    if not positions or algorithm.sparse_gradients:
+        return positions
     from . import algorithms  # the registry, read only to name the alternatives
 
-    able = [n for n in algorithms.names() if takes_sparse_gradients(algorithms.get(n))]
+    name = trainable[positions[0]][0]
+    able = [n for n in algorithms.names() if algorithms.get(n).sparse_gradients]
     raise ValueError(
         f"parameter {name!r} gets sparse gradients (nn.Embedding/nn.EmbeddingBag with sparse=True), which "
         f"algorithm {algorithm.name!r} cannot reduce (it compresses every gradient in its buckets); algorithms "
@@ -264,10 +258,7 @@ class Core:
         """Raise ValueError if ``algorithm`` cannot train this model (sparse gradients it cannot
         reduce): before it starts, or before ``switch_to`` stops the running one. The model is
         the same on every rank, so every rank raises."""
-        trainable = self.replica.trainable
-        sparse = sparse_positions(trainable, self.replica.modules)
-        if sparse:
-            check_sparse_support(algorithm, trainable[sparse[0]][0])
+        sparse_positions(algorithm, self.replica.trainable, self.replica.modules)
 
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""
@@ -354,9 +345,7 @@ class Core:
         """
         self.remove_reducer()
         trainable = self.replica.trainable
-        sparse = sparse_positions(trainable, self.replica.modules, sparse_params)
-        if sparse:
-            check_sparse_support(self.algorithm, trainable[sparse[0]][0])
+        sparse = sparse_positions(self.algorithm, trainable, self.replica.modules, sparse_params)
         self.reducer = GradReducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],

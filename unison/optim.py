@@ -23,7 +23,6 @@ from .core import (
     Core,
     check_bucket_cap,
     check_ranks_agree,
-    check_sparse_support,
     membership,
     new_tag,
     parameter_entries,
@@ -187,9 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"sparse_params holds a {type(p).__name__} (shape {list(getattr(p, 'shape', []))}) that is not "
                     "one of the optimizer's parameters; name only parameters the optimizer updates"
                 )
-        positions = sparse_positions(named, (), self._sparse)
-        if positions:
-            check_sparse_support(self.algorithm, named[positions[0]][0])
+        sparse_positions(self.algorithm, named, (), self._sparse)
 
     def _connect(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Check that every rank holds the same parameters and settings, then take rank 0's values."""

@@ -282,7 +282,6 @@ class GradReducer:
                 if grad is not None and grad.layout == torch.strided and grad.untyped_storage().data_ptr() == storage:
                     p.grad = grad.detach().clone()
                 self._views[i] = None  # type: ignore[call-overload]
-            del bucket
 
     @property
     def groups(self) -> list[list[int]]:
