@@ -271,6 +271,9 @@ def heal_in_flight(job: Job, joiner_id: int) -> tuple[int, int, list[int], int]:
 def _heal_job(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = 400) -> Job:
     """Worker 1 dies at step 10 and is replaced; steps sleep until the test hurries them."""
     args = ("--steps", str(steps), "--sleep", "0.03", "--kill", "1@10", "--pad-mb", str(PAD_MB), *extra)
+    # Each healed worker pauses after every 4 MiB piece it receives: the heal stays on the wire
+    # for ~16 x 0.15 s, so the test catches it there rather than racing it.
+    args += ("--slow-heal", "0.15")
     return Job(tmp_path, *args, "--hurry-file", str(tmp_path / "hurry"), nproc=nproc, launcher=("--respawn",), nice=10)
 
 

@@ -16,6 +16,9 @@ payload big; its checksum is in the result); `--origin` adds a frozen parameter 
 membership epoch that created the model (1; a joiner's own is its admission epoch until healed),
 so a job that silently started over from a joiner's fresh state shows; `--hurry-file PATH` drops
 the sleep once PATH exists (steps stay fixed, so every member stops at the same committed step).
+`--slow-heal S` makes a healed worker pause S seconds after each piece of its heal it receives,
+so a test can catch the payload on the wire and act while it is there (the heal goes in 4 MiB
+pieces and would otherwise end between two looks on a loaded machine).
 """
 
 import argparse
@@ -29,6 +32,7 @@ from torch import nn
 
 import unison
 import unison.optim
+from unison.engine import comm
 from unison.runtime import member
 
 PAD_MOD = 9973
@@ -71,6 +75,7 @@ def main() -> None:
     p.add_argument("--pad-mb", type=float, default=0.0, help="a frozen parameter of this many MiB (a big heal)")
     p.add_argument("--origin", action="store_true", help="a frozen parameter: the epoch that created the state")
     p.add_argument("--hurry-file", default=None, help="once this file exists, steps no longer sleep")
+    p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     args = p.parse_args()
     try:
         run(args)
@@ -88,8 +93,33 @@ def mark(args, name: str, text: str) -> None:
     os.replace(hidden, path)
 
 
+def slow_heal(pause: float) -> None:
+    """Pause ``pause`` seconds after each heal piece this worker receives (never when it sends)."""
+    stream = comm._stream
+
+    def paused(segments, total, group, src, sending):
+        if sending:
+            return stream(segments, total, group, src, sending)
+        wait = comm.wait
+
+        def wait_then_pause(*a, **k):
+            out = wait(*a, **k)
+            time.sleep(pause)
+            return out
+
+        comm.wait = wait_then_pause
+        try:
+            return stream(segments, total, group, src, sending)
+        finally:
+            comm.wait = wait
+
+    comm._stream = paused
+
+
 def run(args) -> None:
     mark(args, "pid", os.environ.get("UNISON_FT_ID", "?"))
+    if args.slow_heal:
+        slow_heal(args.slow_heal)
     unison.init()
     m = member.active()
     mark(args, "joined", json.dumps({"id": m.id, "epoch": m.epoch, "members": m.members, "time": time.time()}))
