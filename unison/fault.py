@@ -34,7 +34,7 @@ from torch import nn
 
 from . import algorithms as algos
 from .core import Core
-from .engine.comm import all_gather_objects, broadcast_object, broadcast_state
+from .engine.comm import all_gather_objects, broadcast_object, share_state
 from .engine.snapshot import seed_all, to_cpu
 from .runtime import forget_private_groups, health, member
 from .runtime.member import Member, MembershipChanged
@@ -169,7 +169,9 @@ class Plan:
     Attributes:
         top: ``(step, shared rounds)`` of the members furthest ahead (joiners never are, unless
             only joiners are left).
-        source: the lowest rank at ``top``: it sends its state to every rank ``behind``.
+        source: the lowest rank at ``top``: it sends the state's skeleton to every rank ``behind``.
+        holders: the ranks at ``top`` that are no joiners, ``source`` first: they hold the same
+            state (unless the replicas drift), and each sends a share of its tensors.
         behind: the ranks that receive the source's state (the joiners among them).
         contributors: the ranks inside the gradient round of step ``top + 1``: it is redone on them.
         overtaken: the ranks that were inside a gradient round the source had already finished
@@ -179,6 +181,7 @@ class Plan:
 
     top: tuple[int, int]
     source: int
+    holders: list[int]
     behind: list[int]
     contributors: list[int]
     overtaken: list[int]
@@ -190,10 +193,13 @@ class Plan:
         top = max(running) if running else max((s, n) for s, _, n in statuses)
         source = next(r for r, (s, k, n) in enumerate(statuses) if (s, n) == top and (k != "join" or not running))
         behind = [r for r, (s, k, n) in enumerate(statuses) if r != source and ((s, n) < top or k == "join")]
+        holders = [source] + [
+            r for r, (s, k, n) in enumerate(statuses) if r != source and r not in behind and (s, n) == top
+        ]
         contributors = [r for r, (s, k, _) in enumerate(statuses) if k == "grad" and s == top[0]]
         overtaken = [] if contributors else [r for r in behind if statuses[r][1] == "grad"]
         idle = [r for r, (s, k, _) in enumerate(statuses) if contributors and s == top[0] and k not in ("grad", "join")]
-        return cls(top, source, behind, contributors, overtaken, idle)
+        return cls(top, source, holders, behind, contributors, overtaken, idle)
 
 
 class FaultTolerance:
@@ -386,19 +392,29 @@ class FaultTolerance:
         top, source, behind, contributors = plan.top, plan.source, plan.behind, plan.contributors
         rank = dist.get_rank(group)
         started = time.time()
-        payload = self._payload(full=bool(behind)) if rank == source else None
-        payload = broadcast_state(payload, group, src=source)
-        if rank in behind:
-            self._load(payload, fresh=kind == "join")
-            self.note("heal_recv", f"from rank {source} at step {top[0]} in {time.time() - started:.3f} s")
-        elif behind:
+        # Only the members behind receive; every member at the top holds the same state where the
+        # replicas do not drift, so each sends a share of it (a drifting replica is its own: the
+        # source's alone then).
+        sources = [source] if model.core.algorithm.replicas_drift else plan.holders
+        fresh = kind == "join" and not self._member.veteran
+        if rank in sources and behind:
+            payload, names = self._payload()
+            share_state(payload, sources, behind, group, names=names)
+        elif rank in behind:
+            # A fresh joiner has nothing of its own to lose: the module's tensors are written in
+            # place. A member keeps its own state whole until the payload has come (its sources may
+            # die half-way).
+            into = model.module.state_dict() if fresh else None
+            self._load(share_state(None, sources, behind, group, into=into), fresh=kind == "join")
+            self.note("heal_recv", f"from rank(s) {sources} at step {top[0]} in {time.time() - started:.3f} s")
+        if rank not in behind and behind:
             own = model.core.algorithm_entry()
             if own is not None and getattr(model.core.algorithm, "loads_everywhere", False):
                 # Its own state again, so whatever a load changes in the next round's protocol
                 # (low-precision decentralized resends its public copies in full) changes on every member.
                 model.core.load_algorithm_entry(own, strict=False, what="model")
             if rank == source:
-                self.note("heal_send", f"to rank(s) {behind} at step {top[0]}")
+                self.note("heal_send", f"to rank(s) {behind} at step {top[0]}, in shards from rank(s) {sources}")
         if contributors:
             self._redo(model, local if rank in contributors else None, len(contributors), swallow=kind == "grad")
             self.note("redo", f"gradient round of step {top[0] + 1} on {len(contributors)} contributor(s)")
@@ -429,15 +445,19 @@ class FaultTolerance:
             else:
                 self._healed[name] = state
 
-    def _payload(self, full: bool) -> dict[str, Any]:
+    def _payload(self) -> tuple[dict[str, Any], dict[int, str]]:
+        """What a member behind receives, and the names of its module's tensors (by id) so that a
+        joiner can receive them into its own."""
         model = self._guarded()
-        out: dict[str, Any] = {"step": self.step}
-        if full:
-            out["module"] = to_cpu(model.module.state_dict())
-            out["optimizers"] = [to_cpu(opt.state_dict()) for opt in model.core.optimizers]
-            out["algorithm"] = to_cpu(model.core.algorithm_entry())
-            out["attached"] = {name: to_cpu(obj.state_dict()) for name, obj in self._attached.items()}
-        return out
+        module = to_cpu(model.module.state_dict())
+        payload = {
+            "step": self.step,
+            "module": module,
+            "optimizers": [to_cpu(opt.state_dict()) for opt in model.core.optimizers],
+            "algorithm": to_cpu(model.core.algorithm_entry()),
+            "attached": {name: to_cpu(obj.state_dict()) for name, obj in self._attached.items()},
+        }
+        return payload, {id(t): name for name, t in module.items()}
 
     def _load(self, payload: dict[str, Any], fresh: bool) -> None:
         """Become the source: everything shared, and a fresh per-worker RNG seed. Rank-local

@@ -96,11 +96,9 @@ def mark(args, name: str, text: str) -> None:
 
 def slow_heal(pause: float) -> None:
     """Pause ``pause`` seconds after each heal piece this worker receives (never when it sends)."""
-    stream = comm._stream
+    receive = comm._receive_pieces
 
-    def paused(segments, total, group, src, sending):
-        if sending:
-            return stream(segments, total, group, src, sending)
+    def paused(*args, **kwargs):
         wait = comm.wait
 
         def wait_then_pause(*a, **k):
@@ -110,11 +108,11 @@ def slow_heal(pause: float) -> None:
 
         comm.wait = wait_then_pause
         try:
-            return stream(segments, total, group, src, sending)
+            return receive(*args, **kwargs)
         finally:
             comm.wait = wait
 
-    comm._stream = paused
+    comm._receive_pieces = paused
 
 
 def run(args) -> None:

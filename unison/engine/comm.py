@@ -9,6 +9,7 @@ import ctypes
 import io
 import pickle
 import threading
+import zlib
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -211,10 +212,12 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: i
 class _TensorsApart(pickle.Pickler):
     """Pickles everything but CPU tensors, which it lists apart (their bytes travel raw)."""
 
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, names: Optional[dict[int, str]] = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
+        self.tensors: list[torch.Tensor] = []  # the raw stream's segments, alignment padding included
+        self.raw: list[torch.Tensor] = []  # each tensor's bytes, in order (no padding)
         self.size = 0
+        self._names = names or {}
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.layout != torch.strided:
@@ -224,22 +227,29 @@ class _TensorsApart(pickle.Pickler):
         flat = obj.detach().contiguous().reshape(-1).view(torch.uint8)
         offset, pad = self.size, -flat.numel() % 16  # every tensor starts aligned (a view needs it)
         self.tensors += [flat, torch.zeros(pad, dtype=torch.uint8)] if pad else [flat]
+        self.raw.append(flat)
         self.size += flat.numel() + pad
-        return (offset, flat.numel(), obj.dtype, tuple(obj.shape))
+        return (offset, flat.numel(), obj.dtype, tuple(obj.shape), self._names.get(id(obj)))
 
 
 class _TensorsFrom(pickle.Unpickler):
     """Unpickles ``_TensorsApart``'s skeleton, each tensor made empty in its own memory and listed
     (``segments``: its offset in the raw stream, its bytes) for the stream to fill."""
 
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, into: Optional[dict[str, torch.Tensor]] = None) -> None:
         super().__init__(file)
         self.segments: list[tuple[int, torch.Tensor]] = []
+        self.tensors: list[torch.Tensor] = []  # each tensor's bytes, in order
+        self._into = into or {}
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        offset, size, dtype, shape = pid
-        t = torch.empty(shape, dtype=dtype)
-        self.segments.append((offset, t.reshape(-1).view(torch.uint8)))
+        offset, size, dtype, shape, name = pid
+        t = self._into.get(name) if name is not None else None
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu" or not t.is_contiguous():
+            t = torch.empty(shape, dtype=dtype)
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        self.segments.append((offset, flat))
+        self.tensors.append(flat)
         return t
 
 
@@ -307,6 +317,185 @@ def broadcast_state(obj: Any, group: Optional[dist.ProcessGroup] = None, src: in
     loader = _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())))
     out = loader.load()
     _stream(loader.segments, int(sizes[1]), group, src, sending)
+    return out
+
+
+#: Heal pieces a sender or a receiver keeps in flight at once, per peer (``share_state``).
+HEAL_WINDOW = 8
+#: The tags of a heal's messages: its header, its skeleton, then piece k's is PIECE_TAG + k.
+HEADER_TAG, SKELETON_TAG, PIECE_TAG = 1, 2, 3
+#: A tensor of at least this many bytes travels from and into its own memory (no staging copy);
+#: smaller ones are packed together into pieces of at most ``STAGING_BYTES``.
+DIRECT_BYTES = 64 * 1024
+
+
+def _pieces(sizes: Sequence[int], cap: int) -> list[list[tuple[int, int, int]]]:
+    """The pieces a sharded heal sends, from the byte sizes of the tensors it carries, in order:
+    each piece a list of ``(tensor index, start, end)`` byte ranges, at most ``cap`` bytes in all.
+    A tensor of at least ``DIRECT_BYTES`` is cut into pieces of its own (sent from and received
+    into its memory); smaller ones are packed together (staged). Sender and receivers compute it
+    from the same sizes, so they agree on every piece."""
+    out: list[list[tuple[int, int, int]]] = []
+    pack: list[tuple[int, int, int]] = []
+    packed = 0
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n >= min(DIRECT_BYTES, cap):
+            out.extend([(i, b, min(n, b + cap))] for b in range(0, n, cap))
+            continue
+        if pack and packed + n > cap:
+            out.append(pack)
+            pack, packed = [], 0
+        pack.append((i, 0, n))
+        packed += n
+    if pack:
+        out.append(pack)
+    return out
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A sharded heal's header: the bytes in all, the tensors, and a checksum of their sizes."""
+    sizes = [t.numel() for t in tensors]
+    check = zlib.crc32(pickle.dumps(sizes))
+    return torch.tensor([sum(sizes), len(sizes), check], dtype=torch.int64)
+
+
+def _p2p(send: bool, t: torch.Tensor, peer: int, group: Any, tag: int) -> Any:
+    """An isend or irecv of ``t`` with group rank ``peer`` (its work, kept from release at exit)."""
+    op = dist.isend if send else dist.irecv
+    work = op(t, src_rank(group, peer), group=group, tag=tag)
+    _release_completed()
+    with _works_lock:
+        _recent_works.append(work)
+    return work
+
+
+def _send_pieces(tensors: list[torch.Tensor], mine: list[int], receivers: list[int], group: Any) -> None:
+    """Send the pieces numbered ``mine`` (of ``_pieces`` of ``tensors``) to every receiver, at
+    most ``HEAL_WINDOW`` per receiver in flight: a piece of one tensor straight from its memory,
+    a packed one through a staging copy of at most ``STAGING_BYTES``."""
+    pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
+    flight: collections.deque = collections.deque()
+    for k in mine:
+        piece = pieces[k]
+        if len(piece) == 1:
+            i, b, e = piece[0]
+            data = tensors[i][b:e]
+        else:
+            data = torch.cat([tensors[i][b:e] for i, b, e in piece])
+        for r in receivers:
+            flight.append(_p2p(True, data, r, group, tag=PIECE_TAG + k))
+        while len(flight) > HEAL_WINDOW * len(receivers):
+            wait(flight.popleft(), p2p=True)
+    while flight:
+        wait(flight.popleft(), p2p=True)
+
+
+def _receive_pieces(tensors: list[torch.Tensor], sources: list[int], group: Any) -> None:
+    """Receive every piece (``_pieces`` of ``tensors``), piece k from ``sources[k % len(sources)]``,
+    at most ``HEAL_WINDOW`` per source in flight: a piece of one tensor straight into its memory,
+    a packed one into a staging buffer copied out once it has arrived."""
+    pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
+    flight: collections.deque = collections.deque()
+
+    def land(piece: list[tuple[int, int, int]], staging: Optional[torch.Tensor]) -> None:
+        if staging is None:
+            return
+        at = 0
+        for i, b, e in piece:
+            tensors[i][b:e].copy_(staging[at : at + e - b])
+            at += e - b
+
+    for k, piece in enumerate(pieces):
+        if len(piece) == 1:
+            i, b, e = piece[0]
+            into, staging = tensors[i][b:e], None
+        else:
+            staging = torch.empty(sum(e - b for _, b, e in piece), dtype=torch.uint8)
+            into = staging
+        flight.append((_p2p(False, into, sources[k % len(sources)], group, tag=PIECE_TAG + k), piece, staging))
+        while len(flight) > HEAL_WINDOW * len(sources):
+            work, done, buffer = flight.popleft()
+            wait(work, p2p=True)
+            land(done, buffer)
+    while flight:
+        work, done, buffer = flight.popleft()
+        wait(work, p2p=True)
+        land(done, buffer)
+
+
+def share_state(
+    obj: Any,
+    sources: Sequence[int],
+    receivers: Sequence[int],
+    group: Optional[dist.ProcessGroup] = None,
+    into: Optional[dict[str, torch.Tensor]] = None,
+    names: Optional[dict[int, str]] = None,
+) -> Any:
+    """``obj`` of the group ranks ``sources`` (which hold the same state) on the ranks ``receivers``,
+    point to point, in shards from every source at once, streamed: the fault-tolerant heal.
+
+    The first source sends the pickled skeleton (everything but the CPU tensors, and their shapes);
+    the tensors' bytes are cut into pieces of at most ``STAGING_BYTES`` (``_pieces``), piece k sent
+    by ``sources[k % len(sources)]`` to every receiver. A big tensor's pieces go from the source's
+    memory into the receiver's (its new tensors, or ``into``'s); small tensors are packed, so
+    neither side ever holds a buffer of the whole state. Ranks in neither list receive nothing and
+    return ``obj``; a source returns its own ``obj``.
+
+    Args:
+        obj: the state (on the sources; ignored elsewhere).
+        sources: group ranks holding the same state (the same tensor layout: checked).
+        receivers: group ranks that receive it.
+        into: on a receiver, tensors to write the bytes into, by name: a tensor that the sender
+            named so (``names``) with the same dtype and shape is filled in place and stands in the
+            result (a joiner's own parameters), instead of a new one.
+        names: on a source, ``{id(tensor): name}`` for the tensors of ``obj`` that a receiver may
+            hold as ``into[name]``.
+
+    Example::
+
+        >>> state = share_state(own if rank in (0, 1) else None, sources=[0, 1], receivers=[2])
+    """
+    rank = dist.get_rank(group)
+    if rank in sources:
+        buffer = io.BytesIO()
+        pickler = _TensorsApart(buffer, names)
+        pickler.dump(obj)
+        tensors = pickler.raw
+        lead = rank == sources[0]
+        skeleton = buffer.getvalue() if lead else b""
+        header = torch.cat([torch.tensor([len(skeleton)], dtype=torch.int64), _layout(tensors)])
+        works = []
+        for r in receivers:
+            works.append(_p2p(True, header, r, group, tag=HEADER_TAG))
+            if skeleton:
+                works.append(
+                    _p2p(True, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), r, group, tag=SKELETON_TAG)
+                )
+        for work in works:
+            wait(work, p2p=True)
+        count = len(_pieces([t.numel() for t in tensors], STAGING_BYTES))
+        _send_pieces(tensors, list(range(list(sources).index(rank), count, len(sources))), list(receivers), group)
+        return obj
+    if rank not in receivers:
+        return obj
+    headers = [torch.empty(4, dtype=torch.int64) for _ in sources]
+    for work in [_p2p(False, h, s, group, tag=HEADER_TAG) for h, s in zip(headers, sources)]:
+        wait(work, p2p=True)
+    head = torch.empty(int(headers[0][0]), dtype=torch.uint8)
+    if head.numel():
+        wait(_p2p(False, head, sources[0], group, tag=SKELETON_TAG), p2p=True)
+    loader = _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())), into)
+    out = loader.load()
+    layout = _layout(loader.tensors)
+    for s, h in zip(sources, headers):
+        if not torch.equal(h[1:], layout):
+            raise RuntimeError(
+                f"the heal's sources hold states of different layouts (rank {s}: {h[1:].tolist()}, rank "
+                f"{sources[0]}: {layout.tolist()}); they were taken for replicas of the same state"
+            )
+    _receive_pieces(loader.tensors, list(sources), group)
     return out
 
 
