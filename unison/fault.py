@@ -132,6 +132,17 @@ def rank_local(state: dict[str, Any], own: Optional[dict[str, Any]]) -> dict[str
     return out
 
 
+def layout(obj: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """The dtype and shape of every tensor in ``obj`` (dicts, lists, tuples), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [(str(obj.dtype), tuple(obj.shape))]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in layout(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in layout(v)]
+    return []
+
+
 def _zeros(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.zeros_like(value)
@@ -395,11 +406,18 @@ class FaultTolerance:
         # Only the members behind receive; every member at the top holds the same state where the
         # replicas do not drift, so each sends a share of it (a drifting replica is its own: the
         # source's alone then).
-        sources = [source] if model.core.algorithm.replicas_drift else plan.holders
+        sources, sent = [source], None
+        shared = len(plan.holders) > 1 and not model.core.algorithm.replicas_drift
+        if behind and (rank == source or (shared and rank in plan.holders)):
+            sent = self._payload()
+        if behind and shared:
+            # Those whose tensors have the source's shapes (rank-local state may differ in layout).
+            mine = zlib.crc32(repr(layout(sent[0])).encode()) if sent is not None else None
+            layouts = all_gather_objects(mine, group)
+            sources = [r for r in plan.holders if layouts[r] == layouts[source]]
         fresh = kind == "join" and not self._member.veteran
-        if rank in sources and behind:
-            payload, names = self._payload()
-            share_state(payload, sources, behind, group, names=names)
+        if rank in sources and sent is not None:
+            share_state(sent[0], sources, behind, group, names=sent[1])
         elif rank in behind:
             # A fresh joiner has nothing of its own to lose: the module's tensors are written in
             # place. A member keeps its own state whole until the payload has come (its sources may
