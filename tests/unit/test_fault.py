@@ -38,6 +38,13 @@ def test_a_round_some_members_are_in_is_redone_on_them_and_the_others_apply_it()
     plan = Plan.of([(127, "idle", 0), (127, "grad", 0), (126, "grad", 0), (0, "join", 0)])
     assert plan.source == 0 and plan.behind == [2, 3]
     assert plan.contributors == [1] and plan.overtaken == [] and plan.idle == [0]  # rank 2 applies the redo
+    assert plan.holders == [0, 1]  # both at the top: each sends a share of the heal
+
+
+def test_the_heal_comes_in_shards_from_every_member_at_the_top_and_only_those():
+    plan = Plan.of([(50, "grad", 2), (50, "grad", 1), (49, "grad", 1), (0, "join", 0), (50, "idle", 2)])
+    assert plan.top == (50, 2) and plan.holders == [0, 4] and plan.behind == [1, 2, 3]
+    assert Plan.of([(0, "join", 0), (0, "join", 0), (0, "join", 0)]).holders == [0]  # joiners only: the first
 
 
 def test_only_joiners_left_take_the_state_of_the_first_of_them():
