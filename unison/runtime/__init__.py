@@ -18,6 +18,7 @@ from .launch import (
     first_host,
     forget_topology,
     init,
+    regroup_topology,
     serve_store,
     topology,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "health",
     "init",
     "private_group",
+    "regroup_topology",
     "serve_store",
     "shutdown",
     "src_rank",
