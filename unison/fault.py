@@ -36,7 +36,7 @@ from . import algorithms as algos
 from .core import Core
 from .engine.comm import all_gather_objects, broadcast_object, broadcast_state
 from .engine.snapshot import seed_all, to_cpu
-from .runtime import forget_private_groups, health, member, regroup_topology
+from .runtime import forget_private_groups, health, member
 from .runtime.member import Member, MembershipChanged
 
 logger = logging.getLogger("unison.ft")
@@ -317,7 +317,6 @@ class FaultTolerance:
                     if regroup:
                         doc = self._member.regroup()
                         forget_private_groups()  # the old membership's: destroyed with it (Member.groups)
-                        regroup_topology(self._member.rank, self._member.world_size)
                         self.note(
                             "regroup", f"epoch {self._member.epoch}: {len(doc['members'])} members ({doc['reason']})"
                         )

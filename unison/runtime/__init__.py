@@ -18,7 +18,6 @@ from .launch import (
     first_host,
     forget_topology,
     init,
-    regroup_topology,
     serve_store,
     topology,
 )
@@ -45,7 +44,6 @@ __all__ = [
     "health",
     "init",
     "private_group",
-    "regroup_topology",
     "serve_store",
     "shutdown",
     "src_rank",

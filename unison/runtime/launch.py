@@ -17,7 +17,7 @@ import datetime
 import logging
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import torch
@@ -399,20 +399,6 @@ def _follow_membership(m: "member.Member") -> None:
 def topology() -> Topology:
     """The Topology from ``init()``; a world of one if ``init()`` was never called."""
     return _topology if _topology is not None else Topology()
-
-
-def regroup_topology(rank: int, world_size: int) -> Topology:
-    """Fault tolerance built the default group again over a new membership: make ``topology()``
-    describe it (this process's new rank and the new world; one process per member, each its own
-    node), so that what is started on the new group (a hierarchical algorithm's levels) sees it."""
-    global _topology
-    old = _topology if _topology is not None else Topology()
-    if old.local_world_size != 1:
-        raise RuntimeError("a regroup of members of several processes each needs their node layout")
-    _topology = replace(
-        old, rank=rank, world_size=world_size, world_group=dist.group.WORLD, local_sizes=(1,) * world_size
-    )
-    return _topology
 
 
 def forget_topology() -> None:
