@@ -34,7 +34,7 @@ def on_files(files: Files, config) -> Files:
     for path in sorted(_outside_links(config)):
         if not os.path.isfile(os.path.join(ROOT, path)):
             continue  # reported by on_page_markdown, which knows the page
-        files.append(File(path, ROOT, config["site_dir"], config["use_directory_urls"], dest_uri=f"repo/{path}"))
+        files.append(File.generated(config, f"repo/{path}", abs_src_path=os.path.join(ROOT, path)))
     return files
 
 
