@@ -121,7 +121,7 @@ def errors_tables() -> str:
             continue
         parts.append(f"### {title}\n\n| error | message (`{{…}}`: filled in at run time) | raised in |\n| --- | --- | --- |")
         for rel, line, kind, msg in entries:
-            text = " ".join(msg.split()).replace("|", "\\|").replace("<", "&lt;").replace("`", "'")
+            text = " ".join(msg.split()).replace("|", "\\|").replace("<", "&lt;").replace("`", "'").replace("[", "\\[").replace("]", "\\]")
             parts.append(f"| `{kind}` | {text} | `unison/{rel}:{line}` |")
         parts.append("")
     return "\n".join(parts)
