@@ -1,6 +1,7 @@
 """`unison bench`: emulated networks set up and torn down (also after a killed run), workloads,
 contender specs, and a small real bench writing its JSON and plots."""
 
+import argparse
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import torch
 
 import unison
 from unison.apps import cli
-from unison.apps.bench import contenders, netem, report, runner, workloads
+from unison.apps.bench import command, contenders, netem, report, runner, workloads
 from unison.apps.bench.worker import Judge, Stop, WorkerConfig, WorkerResult
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: bench_factory.py
@@ -137,6 +138,33 @@ def test_workload_loads_and_trains_a_step(name):
         assert 0.0 <= q <= 1.0 if s.higher_is_better else 0.0 < q < 10.0
     assert w.params > {"digits": 4_000_000, "charlm": 100_000, "mlp": 20_000_000}.get(name, 0)
     assert len(w.train) > 100
+
+
+def test_charlm_comes_in_sizes_and_refuses_others(capsys):
+    large = workloads.load("charlm", seed=0, model_spec="large")
+    assert large.params > 10_000_000 and large.name == "charlm (large)"
+    assert large.settings.lr < workloads.load("charlm", seed=0).settings.lr
+    assert workloads.settings_for("charlm", "small") == workloads.SETTINGS["charlm"]
+    with pytest.raises(ValueError, match="sizes small, medium, large"):
+        workloads.settings_for("charlm", "huge")
+    with pytest.raises(ValueError, match="comes in one size"):
+        workloads.load("mlp", model_spec="large")
+    assert cli.main(["bench", "--workload", "charlm", "--model", "huge"]) == 2
+    assert "sizes small, medium, large" in capsys.readouterr().err
+
+
+def test_network_presets_and_their_overrides():
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    config = command.config_from(parser.parse_args(["bench"]))
+    assert (config.bandwidth, config.latency) == ("1gbit", "2ms")
+    config = command.config_from(parser.parse_args(["bench", "--network", "10mbit"]))
+    assert (config.bandwidth, config.latency) == ("10mbit", "20ms")
+    config = command.config_from(parser.parse_args(["bench", "--network", "1mbit", "--latency", "0"]))
+    assert (config.bandwidth, config.latency) == ("1mbit", "0")
+    assert netem.parse_rate(netem.PRESETS["1mbit"][0]) == 1e6
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--network", "5g"])
 
 
 def test_bad_model_factories():

@@ -22,8 +22,20 @@ pytest.importorskip("lightning", reason="the Lightning integration's tests need 
 import unison  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "lightning_run.py")
-# Deterministic algorithms resumed from a checkpoint by the script (all but async, whose rounds follow the clock).
-RESUMED = ("allreduce", "local_sgd", "diloco", "powersgd", "bytegrad", "daso", "decentralized", "nonblocking")
+# Deterministic algorithms resumed from a checkpoint by the script (all but async, whose rounds follow the clock);
+# sparseloco and demo carry rank-local state (error feedback, momentum) through the checkpoint.
+RESUMED = (
+    "allreduce",
+    "local_sgd",
+    "diloco",
+    "powersgd",
+    "bytegrad",
+    "daso",
+    "decentralized",
+    "nonblocking",
+    "sparseloco",
+    "demo",
+)
 # Launch variables a surrounding launcher may have set; the runs set their own.
 _LAUNCH_VARS = (
     "RANK",

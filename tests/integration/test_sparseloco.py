@@ -13,7 +13,7 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from tests.unit.topk_reference import sparseloco_sync
+from tests.unit.topk_reference import quantized_topk, sparseloco_sync
 
 # (options, steps): 2-bit values with uint8 indices (chunks of 248) and decay; 4-bit with int16
 # indices (chunks of 866), a fixed k and beta = 1; 8-bit, one chunk, a period of 1.
@@ -197,3 +197,95 @@ def test_switch_to_in_and_out():
         assert r["drifted"] == [True, True] and r["in_flight"] == [False, True]
         assert r["spreads"] == [0.0, 0.0]
         assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
+
+
+# ---- hierarchical: 4 ranks as 2 nodes x 2 --------------------------------------------------
+NODES = {"UNISON_NODES": "2"}
+HIERARCHICAL = {"period": 2, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8}
+
+
+def check_hierarchical() -> dict:
+    """Every sync against the hand-written two-level update: each node's mean pseudo-gradient,
+    each local rank's shard (whole chunks) folded into that node's error feedback of the shard,
+    its quantized top-k averaged over the nodes; and the bytes inside and across nodes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = unison.topology()
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    inner: list = []
+    opt.register_step_post_hook(lambda o, _a, _k: inner.append(flat(net)))
+    glob = flat(net)
+    spec = unison.algorithms.create("sparseloco", hierarchical=True, **HIERARCHICAL)
+    model = unison.DataParallel(net, optimizer=opt, algorithm=spec)
+    state = model.algorithm_state
+    codec, levels, part = state.codecs[0], state.levels, state.node_parts[0]
+    nodes, local = topo.num_nodes, topo.local_world_size
+    bounds = part.bounds
+    errors = [[torch.zeros(bounds[j + 1] - bounds[j]) for j in range(local)] for _ in range(nodes)]
+    gaps, feedback_gaps, spreads, syncs = [], [], [], 0
+    for s in range(6):
+        train_step(model, opt, *batch(s, rank))
+        spreads.append(spread_across_ranks(net))
+        if (s + 1) % HIERARCHICAL["period"]:
+            continue
+        weights = [torch.empty_like(glob) for _ in range(world)]
+        dist.all_gather(weights, inner[-1])
+        update = torch.zeros(codec.padded)
+        for j in range(local):
+            a, b = bounds[j], bounds[j + 1]
+            if b == a:
+                continue
+            for n in range(nodes):
+                delta = torch.zeros(codec.padded)
+                delta[: glob.numel()] = torch.stack([glob - weights[n * local + i] for i in range(local)]).mean(0)
+                e = errors[n][j].mul_(HIERARCHICAL["beta"]).add_(delta[a:b])
+                sent = quantized_topk(e, codec.size, codec.k, HIERARCHICAL["bits"])
+                e.sub_(sent)
+                update[a:b] += sent / nodes
+        glob = glob - HIERARCHICAL["outer_lr"] * update[: glob.numel()]
+        gaps.append((flat(net) - glob).abs().max().item())
+        start, end = levels.shard(bounds)
+        mine = errors[topo.node][topo.local_rank]
+        feedback_gaps.append((state.errors[0].flat[start:end] - mine).abs().max().item())
+        syncs += 1
+    out = {
+        "gaps": gaps,
+        "feedback_gaps": feedback_gaps,
+        "spreads": spreads,
+        "bytes": model.comm_stats["bytes_total"],
+        "cross": levels.inter_bytes,
+        "expected_cross": syncs * (nodes - 1) * part.codec.nbytes,
+        "expected_bytes": syncs * (2 * levels.leg_bytes(codec.padded, 4, bounds) + (nodes - 1) * part.codec.nbytes),
+        "flat_bytes": syncs * (world - 1) * codec.nbytes,
+        "moved": (glob - inner[0]).abs().max().item(),
+    }
+    model.close()
+    return out
+
+
+def test_hierarchical_sums_in_the_node_and_sends_only_the_sparse_form_across():
+    for r in launch.run(check_hierarchical, 4, env=NODES, timeout=120):
+        assert len(r["gaps"]) == 3 and max(r["gaps"]) < 1e-5, r["gaps"]
+        assert max(r["feedback_gaps"]) < 1e-5, r["feedback_gaps"]
+        assert r["moved"] > 1e-3
+        assert [s for i, s in enumerate(r["spreads"], 1) if i % 2 == 0] == [0.0, 0.0, 0.0]  # the same bits everywhere
+        assert r["cross"] == r["expected_cross"] > 0
+        assert r["bytes"] == r["expected_bytes"]
+        assert r["cross"] < r["flat_bytes"] / 4  # across nodes: one shard's message per node, not every rank's
+
+
+def one_node() -> bool:
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    model = unison.DataParallel(net, optimizer=opt, algorithm="sparseloco:hierarchical=true,period=2")
+    for s in range(2):
+        train_step(model, opt, *batch(s, dist.get_rank()))
+    levels = model.algorithm_state.levels
+    model.close()
+    return levels is None and spread_across_ranks(net) == 0.0
+
+
+def test_hierarchical_on_one_node_runs_flat():
+    assert all(launch.run(one_node, 2, timeout=60))

@@ -38,8 +38,20 @@ OPTIONS = {
     "local_sgd": "local_sgd:period=5",
     "low_precision_decentralized": "low_precision_decentralized:communication_interval=3",
     "powersgd": "powersgd:rank=1,start_iter=2",
+    "sparseloco": "sparseloco:period=5,chunk=256",
 }
-RESUMED = ("allreduce", "local_sgd", "diloco", "powersgd", "bytegrad", "daso", "decentralized", "nonblocking")
+RESUMED = (
+    "allreduce",
+    "local_sgd",
+    "diloco",
+    "powersgd",
+    "bytegrad",
+    "daso",
+    "decentralized",
+    "nonblocking",
+    "sparseloco",
+    "demo",
+)
 
 
 def data(n: int, seed: int) -> TensorDataset:

@@ -68,6 +68,18 @@ def test_message_size_is_fixed_by_the_layout():
     assert (1 << 22) / TopK(1 << 20, bits=2).nbytes > 55
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparseloco_defaults_send_at_most_a_fiftieth_of_fp32_diloco(world):
+    """Issue 30's target: an all-gather of the default message, ``(W - 1) * nbytes``, against fp32
+    diloco's ring allreduce of the same period, ``2 (W - 1) / W * 4n``, within the paper's 1-3% density."""
+    algo = unison.algorithms.create("sparseloco")
+    n = 10_000_000
+    codec = TopK(n, algo.chunk, algo.density, algo.topk, algo.bits)
+    assert 0.01 <= codec.k / codec.size <= 0.03
+    sparse, dense = (world - 1) * codec.nbytes, 2 * (world - 1) / world * 4 * n
+    assert dense / sparse >= 50, f"{world} ranks: 1/{dense / sparse:.1f} of fp32 diloco's bytes"
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_bit_packing_is_exact_for_every_value_in_every_position(bits):
     levels, per = 1 << bits, 8 // bits
@@ -127,7 +139,7 @@ def test_decode_add_adds_scaled_into_the_target():
         ({"chunk": 0}, "chunk must be a positive integer"),
         ({"topk": 5000}, r"topk must be at most chunk \(4096\)"),
         ({"beta": 1.5}, r"beta must be a number in \[0, 1\]"),
-        ({"hierarchical": True}, "has no option .hierarchical."),
+        ({"hierarchical": "yes"}, "hierarchical"),
         ({"period": 4, "fragments": 5}, "fragments"),
     ],
 )

@@ -2,9 +2,11 @@
 
 ``unison launch --fault-tolerant --nproc N script.py ARGS`` starts a
 coordinator that hosts the store and spawns N workers running ``python
-script.py ARGS``; ``unison coordinator --port P`` serves workers started
-elsewhere (each with ``UNISON_FT_ADDR`` and ``UNISON_FT_PORT`` set). See
-docs/fault-tolerance.md. Both need torch alone: the coordinator's lines are log
+script.py ARGS``; ``--nodes N --procs-per-node P`` starts N nodes of P
+processes each (a node fails, leaves and comes back whole).
+``unison coordinator`` serves nodes started elsewhere: on each machine,
+``unison launch --fault-tolerant --procs-per-node P --coordinator HOST:PORT
+script.py`` is that node's agent (``agent.Agent``). See docs/fault-tolerance.md. Both need torch alone: the coordinator's lines are log
 records (the ``unison.launch`` logger), plain text without rich. Both serve a
 read-only status page unless ``--no-status``.
 """
@@ -15,7 +17,7 @@ import argparse
 import sys
 from typing import Optional
 
-from ..runtime import coordinator
+from ..runtime import agent, coordinator
 from .argtypes import non_negative_int, positive_float, positive_int
 
 LAUNCH_EPILOG = """\
@@ -29,6 +31,12 @@ shows that worker's last lines of stderr and exits 1.
 
 status page: the launcher logs "status: http://127.0.0.1:PORT/" at start; /status.json has the
 same data as JSON (docs/fault-tolerance.md, "The status page").
+
+nodes: --nodes N --procs-per-node P starts N nodes of P processes (LOCAL_RANK 0..P-1, consecutive
+ranks); any process's failure takes its node out, and --respawn starts the node again whole. With
+--coordinator HOST:PORT (a `unison coordinator` running elsewhere) this command is one node's agent:
+it starts the node's P processes, stops them all when one fails, and starts them again under
+--respawn; SIGTERM or SIGINT to it stops them and exits 128 + the signal.
 """
 
 
@@ -73,9 +81,24 @@ def add_parsers(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--fault-tolerant", action="store_true", required=True, help="required: the launcher's one mode")
-    p.add_argument("--nproc", type=positive_int, required=True, help="worker processes to start")
-    p.add_argument("--respawn", action="store_true", help="start a replacement for each worker that dies")
-    p.add_argument("--max-respawns", type=non_negative_int, default=None, help="most replacements (default: no limit)")
+    p.add_argument("--nproc", type=positive_int, default=None, help="worker processes to start (nodes of one)")
+    p.add_argument("--nodes", type=positive_int, default=None, help="nodes to start on this machine (simulated)")
+    p.add_argument(
+        "--procs-per-node",
+        type=positive_int,
+        default=1,
+        help="processes per node: a replica group that fails and comes back whole (default: %(default)s)",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="run as one node's agent for the `unison coordinator` at HOST:PORT (instead of --nproc/--nodes)",
+    )
+    p.add_argument("--respawn", action="store_true", help="start a new node for each node that fails")
+    p.add_argument(
+        "--max-respawns", type=non_negative_int, default=None, help="most nodes started again (default: no limit)"
+    )
     p.add_argument(
         "--max-start-failures",
         type=positive_int,
@@ -99,8 +122,12 @@ def add_parsers(subparsers) -> None:
         description="Host the store and the memberships for workers started with UNISON_FT_ADDR and "
         "UNISON_FT_PORT pointing here.",
     )
-    c.add_argument("--port", type=positive_int, required=True, help="the port the store listens on")
-    c.add_argument("--nproc", type=positive_int, required=True, help="workers to wait for before training starts")
+    c.add_argument(
+        "--port", type=non_negative_int, default=0, help="the port the store listens on (default 0: one the OS picks)"
+    )
+    first = c.add_mutually_exclusive_group(required=True)
+    first.add_argument("--nproc", type=positive_int, help="workers to wait for before training starts")
+    first.add_argument("--nodes", type=positive_int, help="nodes (agents) to wait for before training starts")
     _common(c)
     c.set_defaults(run=run_coordinator)
 
@@ -108,6 +135,7 @@ def add_parsers(subparsers) -> None:
 def _settings(args: argparse.Namespace, nproc: int, **extra) -> coordinator.Settings:
     return coordinator.Settings(
         nproc=nproc,
+        procs_per_node=getattr(args, "procs_per_node", 1) if nproc else 1,
         min_replicas=args.min_replicas,
         join_timeout=args.join_timeout,
         stale_s=args.heartbeat_timeout,
@@ -128,19 +156,75 @@ def _serve(name: str, settings: coordinator.Settings, command: Optional[list[str
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    if args.min_replicas > args.nproc:
-        print(f"unison launch: --min-replicas {args.min_replicas} is more than --nproc {args.nproc}", file=sys.stderr)
-        return 2
+    if args.coordinator is not None:
+        return run_agent(args)
+    if (args.nproc is None) == (args.nodes is None):
+        return _usage("give --nproc N (processes, nodes of one) or --nodes N [--procs-per-node P], not both")
+    if args.nproc is not None and args.procs_per_node != 1:
+        return _usage("--nproc counts one-process nodes: use --nodes N --procs-per-node P")
+    nproc = args.nproc or args.nodes * args.procs_per_node
+    if args.min_replicas > nproc:
+        return _usage(f"--min-replicas {args.min_replicas} is more than the {nproc} worker processes")
     settings = _settings(
-        args,
-        args.nproc,
-        respawn=args.respawn,
-        max_respawns=args.max_respawns,
-        max_start_failures=args.max_start_failures,
+        args, nproc, respawn=args.respawn, max_respawns=args.max_respawns, max_start_failures=args.max_start_failures
     )
     command = [sys.executable, args.script, *args.args]
     return _serve("launch", settings, command, args.port or 0)
 
 
+def _usage(message: str) -> int:
+    print(f"unison launch: {message}", file=sys.stderr)
+    return 2
+
+
+#: The coordinator's options, refused with --coordinator (the agent does not run the membership).
+COORDINATOR_ONLY = {
+    "--nproc": "nproc",
+    "--nodes": "nodes",
+    "--port": "port",
+    "--min-replicas": "min_replicas",
+    "--join-timeout": "join_timeout",
+    "--heartbeat-timeout": "heartbeat_timeout",
+    "--status-port": "status_port",
+    "--status-host": "status_host",
+    "--no-status": "no_status",
+}
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """``unison launch --fault-tolerant --procs-per-node P --coordinator HOST:PORT script.py``."""
+    defaults = build_defaults()
+    given = [flag for flag, name in COORDINATOR_ONLY.items() if getattr(args, name) != defaults[name]]
+    if given:
+        return _usage(f"{', '.join(given)} belong to `unison coordinator`, not to a node's agent (--coordinator)")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        return _usage(f"--coordinator {args.coordinator!r} is not HOST:PORT (e.g. node0:29400)")
+    command = [sys.executable, args.script, *args.args]
+    try:
+        node_agent = agent.Agent(
+            host,
+            int(port),
+            args.procs_per_node,
+            command,
+            respawn=args.respawn,
+            max_respawns=args.max_respawns,
+            max_start_failures=args.max_start_failures,
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"unison launch: {exc}", file=sys.stderr)
+        return 2
+    return node_agent.run()
+
+
+def build_defaults() -> dict:
+    """The launch parser's defaults, by option name."""
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers())
+    launch = parser.parse_args(["launch", "--fault-tolerant", "script.py"])
+    return vars(launch)
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
-    return _serve("coordinator", _settings(args, 0, expected=args.nproc), None, args.port)
+    nodes = args.nodes
+    return _serve("coordinator", _settings(args, 0, expected=args.nproc, expected_nodes=nodes), None, args.port)

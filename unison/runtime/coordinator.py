@@ -1,34 +1,43 @@
 """The coordinator of a fault-tolerant job: it hosts the store, numbers memberships and spawns workers.
 
-A worker is known by an id that never changes; its rank is its place in the
-current membership (oldest first). The coordinator talks to workers through
-keys of the TCPStore it hosts (no training rank hosts it, so any rank may die):
+A worker is known by an id that never changes, and belongs to a node (a replica group of
+``procs_per_node`` processes with consecutive ranks: the unit of failure). Its rank is its place
+in the current membership (the oldest node first, a node's processes in local-rank order). The
+failure of any process of a node (its death, or a heartbeat that stopped) takes the whole node
+out: its other processes are stopped (SIGKILL, by the launcher or the node's agent), the other
+nodes regroup, and under ``respawn`` a new node of fresh processes joins. The coordinator talks to
+workers through keys of the TCPStore it hosts (no training rank hosts it, so any rank may die),
+and every wait on them blocks in the store instead of polling:
 
-- ``ft/join/<id>``: a worker asks to take part (its pid);
-- ``ft/hb/<id>``: a counter the worker bumps every ``member.HEARTBEAT_S``;
-- ``ft/leave/<id>``: a graceful leave; ``ft/done/<id>``: the worker finished;
-- ``ft/members/<e>``: membership ``e`` as JSON (members, joiners, reason);
-  ``ft/epoch`` is written after it, so a reader of the epoch finds its membership;
+- ``ft/inbox/<k>``: a message to the coordinator (JSON: a worker's ``join`` with its pid and node,
+  ``done``, ``leave``, or an agent's ``exit`` of a worker), k from the counter ``ft/inbox``; a
+  thread of the coordinator waits on the next one and deletes it once read;
+- ``ft/hb/<id>``: a counter the worker bumps every ``member.HEARTBEAT_S``; the coordinator reads
+  every member's in one ``multi_get`` every ``BEAT_LOOK_S``;
+- ``ft/members/<e>``: membership ``e`` as JSON (members, their nodes, joiners, reason), then
+  ``ft/epoch``; workers wait on the next one's key;
 - ``ft/rebuild/<e>``: a member failed without a membership change (its group could not be built,
-  or a collective failed before a death was noticed): the same members are published again.
+  or a collective failed before a death was noticed): the same members are published again;
+- ``ft/node/<n>/failed``: node n was taken out (its agent stops its processes);
 - ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
   (too few members, start-up failures, a stop signal) or by a worker (the job's state is lost),
-  then nobody is respawned.
+  then nobody is respawned;
 - ``ft/step``: the committed step, when a worker writes it; only the status page reads it.
 
-The coordinator learns of a child's death at once (``poll``) and of a hang by
-a heartbeat that stopped moving. It never signals a member while the job runs;
-it stops its own workers (each in a session of its own, so its process group is
-the worker and its children) when it ends or is told to stop: SIGTERM, SIGINT or
-SIGHUP to the launcher (then it exits 128 + the signal), a start-up failure it
-will not retry (see ``Settings.max_start_failures``), or an error of its own.
-It forwards each worker's stderr to its own, keeping the last lines to show
-when the worker fails at start-up. A read-only status page (``status_page``)
-shows ``status()``.
+Keys no longer needed are deleted: inbox messages once read, the heartbeats of ended workers,
+the regroup keys (``ft/pg/<e>/ready/...``) of memberships two behind.
 
-What it sees goes to the ``unison.launch`` logger: regroups, leaves and
-respawns at INFO, failures at WARNING, an abort at ERROR (``unison launch``
-shows INFO and above).
+The coordinator learns of a child's death at once (``poll``), of a worker started by an agent
+from the agent's ``exit`` message, and of a hang by a heartbeat that stopped moving. It never
+signals a member of a healthy node while the job runs; it stops its own workers (each in a
+session of its own, so its process group is the worker and its children) when it ends or is told
+to stop: SIGTERM, SIGINT or SIGHUP to the launcher (then it exits 128 + the signal), a start-up
+failure it will not retry (see ``Settings.max_start_failures``), or an error of its own. It
+forwards each worker's stderr to its own, keeping the last lines to show when the worker fails at
+start-up. A read-only status page (``status_page``) shows ``status()``.
+
+What it sees goes to the ``unison.launch`` logger: regroups, leaves and respawns at INFO,
+failures at WARNING, an abort at ERROR (``unison launch`` shows INFO and above).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -56,8 +66,16 @@ LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR, "stop": logging.WA
 
 #: Seconds a heartbeat may stand still before its worker is evicted.
 STALE_S = 2.0
-#: Seconds between two looks at children and keys.
+#: Seconds between two looks at the children (a local ``poll``, no store operation).
 TICK_S = 0.02
+#: Seconds between two reads of the members' heartbeats (one ``multi_get``) and of ``ft/rebuild``.
+BEAT_LOOK_S = 0.1
+#: Seconds a worker that exited with code 0 has for its ``done`` (or ``leave``) message to arrive.
+DONE_GRACE_S = 1.0
+#: How long a blocking wait on the store lasts before it is made again (it ends at once when the key comes).
+WATCH_WAIT = timedelta(days=1)
+#: Worker states that are final.
+ENDED = ("finished", "dead", "evicted", "left")
 #: Seconds a worker has between SIGTERM and SIGKILL when the launcher stops it.
 STOP_GRACE_S = 5.0
 #: Signals that stop the launcher and its workers (then it exits 128 + the signal).
@@ -71,13 +89,17 @@ class Settings:
     """What ``unison launch --fault-tolerant`` and ``unison coordinator`` are told.
 
     Args:
-        nproc: workers to start (0: serve workers started elsewhere).
-        min_replicas: fewest members the job may train with.
-        respawn: start a replacement for each worker that dies or is evicted.
-        max_respawns: most replacements over the job (None: no limit).
+        nproc: worker processes to start (0: serve workers started elsewhere); a multiple of
+            ``procs_per_node``.
+        procs_per_node: processes per node (a replica group, the unit of failure) this
+            coordinator starts.
+        min_replicas: fewest members (processes) the job may train with.
+        respawn: start a new node for each node that fails (one of its processes died or was evicted).
+        max_respawns: most nodes started again over the job (None: no limit).
         join_timeout: seconds the members may stay below ``min_replicas``.
-        stale_s: seconds of heartbeat silence before a worker is evicted.
+        stale_s: seconds of heartbeat silence before a worker (and its node) is evicted.
         expected: workers to wait for before the first membership (default nproc).
+        expected_nodes: nodes to wait for before the first membership (workers started elsewhere).
         max_start_failures: stop the job after this many workers in a row exited by themselves
             before joining (a script that fails before ``unison.init()``: every replacement
             would fail the same way), as torchrun's ``--max-restarts`` bounds restarts.
@@ -86,12 +108,14 @@ class Settings:
     """
 
     nproc: int = 0
+    procs_per_node: int = 1
     min_replicas: int = 1
     respawn: bool = False
     max_respawns: Optional[int] = None
     join_timeout: float = 30.0
     stale_s: float = STALE_S
     expected: Optional[int] = None
+    expected_nodes: Optional[int] = None
     max_start_failures: int = 3
     status_port: Optional[int] = None
     status_host: str = "127.0.0.1"
@@ -105,10 +129,15 @@ class Worker:
     beat_seen: float = 0.0
     state: str = "starting"  # starting, waiting, member, finished, dead, evicted, left
     pid: Optional[int] = None
+    node: Optional[int] = None
+    local_rank: int = 0
+    node_size: int = 1
+    host: Optional[str] = None
     started_at: Optional[float] = None
     joined_at: Optional[float] = None
     ended_at: Optional[float] = None
     exit_code: Optional[int] = None
+    exited_at: Optional[float] = None  # when its exit (code 0) was seen, its done message not yet
     stderr: Optional["StderrTail"] = None
 
 
@@ -167,6 +196,11 @@ class Coordinator:
             raise ValueError(f"--min-replicas {settings.min_replicas} is more than --nproc {settings.nproc}")
         if settings.max_start_failures < 1:
             raise ValueError(f"--max-start-failures must be at least 1, got {settings.max_start_failures}")
+        if settings.procs_per_node < 1 or settings.nproc % settings.procs_per_node:
+            raise ValueError(
+                f"{settings.nproc} worker processes do not make whole nodes of --procs-per-node "
+                f"{settings.procs_per_node}"
+            )
         self.settings, self.command = settings, list(command or [])
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self.host, self.port = host, self.store.port  # the port bound (the OS's choice when asked for 0)
@@ -190,21 +224,80 @@ class Coordinator:
         self.log: list[tuple[float, str, str]] = []
         self.events: list[dict[str, Any]] = []  # self.log's entries with their fields (the status page's)
         self.start_failures = 0  # workers in a row that exited by themselves before joining
+        self.failed_nodes: dict[int, str] = {}  # node -> why it was taken out
         self.started_at = time.time()
         self.stop_signal: Optional[int] = None  # a stop signal received (the second: SIGKILL at once)
         self.hurry = False
         self.given_up = False  # a start-up failure ended the job: the other workers are stopped
         self.lock = threading.Lock()  # the loop's changes against status()
+        self._beats_looked = 0.0  # when the heartbeats were last read
+        # Messages and ft/abort come through threads blocked in the store, each on a client of its own.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._abort_seen: Optional[str] = None
+        for name, target in (("inbox", self._read_inbox), ("abort", self._wait_abort)):
+            client = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+            threading.Thread(target=target, args=(client,), name=f"unison-coordinator-{name}", daemon=True).start()
+
+    # ---- the store's messages ------------------------------------------------------------
+    def _read_inbox(self, client: dist.TCPStore) -> None:
+        """Wait for each message ``ft/inbox/<k>`` in turn, hand it to the loop, delete it."""
+        k = 1
+        while True:
+            key = f"ft/inbox/{k}"
+            try:
+                client.wait([key], WATCH_WAIT)
+                self._inbox.put(json.loads(client.get(key)))
+                client.delete_key(key)
+            except dist.DistStoreError:
+                continue  # the day-long wait ran out
+            except Exception:  # the store is gone: the coordinator is ending
+                return
+            k += 1
+
+    def _wait_abort(self, client: dist.TCPStore) -> None:
+        """Wait for ``ft/abort`` (a worker found the job cannot go on)."""
+        while True:
+            try:
+                client.wait(["ft/abort"], WATCH_WAIT)
+                self._abort_seen = client.get("ft/abort").decode()
+                return
+            except dist.DistStoreError:
+                continue
+            except Exception:
+                return
 
     # ---- workers -------------------------------------------------------------------
-    def spawn(self) -> Worker:
+    def spawn_node(self) -> list[Worker]:
+        """Start a node: ``procs_per_node`` workers with consecutive local ranks (``spawn``)."""
+        node = int(self.store.add("ft/next_node", 1)) - 1
+        size = self.settings.procs_per_node
+        return [self.spawn(node, local_rank, size) for local_rank in range(size)]
+
+    def spawn(self, node: Optional[int] = None, local_rank: int = 0, size: int = 1) -> Worker:
         """Start a worker in a session of its own (a terminal's Ctrl-C reaches the launcher only,
         which stops the workers in order), its stderr through ``StderrTail``; no ``preexec_fn``,
         unsafe in a process with threads."""
+        if node is None:
+            node = int(self.store.add("ft/next_node", 1)) - 1
         wid = int(self.store.add("ft/next_id", 1)) - 1
-        env = dict(os.environ, UNISON_FT_ADDR="127.0.0.1", UNISON_FT_PORT=str(self.port), UNISON_FT_ID=str(wid))
+        env = dict(
+            os.environ,
+            UNISON_FT_ADDR="127.0.0.1",
+            UNISON_FT_PORT=str(self.port),
+            UNISON_FT_ID=str(wid),
+            **node_env(node, local_rank, size),
+        )
         process = subprocess.Popen(self.command, env=env, stderr=subprocess.PIPE, start_new_session=True)
-        worker = Worker(wid, process, pid=process.pid, started_at=time.time(), stderr=StderrTail(process.stderr))
+        worker = Worker(
+            wid,
+            process,
+            pid=process.pid,
+            node=node,
+            local_rank=local_rank,
+            node_size=size,
+            started_at=time.time(),
+            stderr=StderrTail(process.stderr),
+        )
         self.workers[wid] = worker
         return worker
 
@@ -215,53 +308,138 @@ class Coordinator:
         self.events.append({"time": now, "kind": kind, "detail": detail, **fields})
         logger.log(LEVELS.get(kind, logging.INFO), "%s: %s", kind, detail)
 
-    def _discover(self) -> None:
-        """Workers started elsewhere take ids from the store's counter: look for their join keys."""
-        top = int(self.store.add("ft/next_id", 0))
-        for wid in range(top):
-            if wid not in self.workers and self.store.check([f"ft/join/{wid}"]):
-                pid = self.store.get(f"ft/join/{wid}").decode()
-                self.workers[wid] = Worker(wid, pid=int(pid) if pid.isdigit() else None, started_at=time.time())
-
     def _look(self, now: float) -> list[str]:
-        """Update each worker's state; return what changed the membership."""
-        reasons = []
+        """Update each worker's state (messages, children, heartbeats); return what changed the membership."""
+        reasons: list[str] = []
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._message(message, now, reasons)
         for w in list(self.workers.values()):
-            if w.state in ("finished", "dead", "evicted", "left"):
+            if w.state in ENDED or w.process is None:
                 continue
-            done = self.store.check([f"ft/done/{w.id}"])
-            code = w.process.poll() if w.process is not None else None
-            if code is not None or done:
-                w.exit_code, w.ended_at = code, now
-                if done:
-                    w.state = "finished"
-                    continue
-                starting, w.state = w.state == "starting", "dead"
-                reasons.append(f"worker {w.id} exited with {code}")
-                self.note(
-                    "failure", f"worker {w.id} (pid {w.pid or '?'}) exited with {code}", worker=w.id, exit_code=code
-                )
-                if not ((starting or self.epoch == 0) and self._start_failed(w, code, starting)):
-                    self._maybe_respawn()
-                continue
-            if self.store.check([f"ft/leave/{w.id}"]):
-                w.state = "left"
-                reasons.append(f"worker {w.id} left")
-                self.note("leave", f"worker {w.id} left")
-                continue
-            if w.state == "starting" and self.store.check([f"ft/join/{w.id}"]):
-                w.state, w.beat_seen, w.joined_at = "waiting", now, now
-                self.start_failures = 0  # the script gets as far as unison.init()
-            if w.state in ("waiting", "member"):
-                beat = int(self.store.add(f"ft/hb/{w.id}", 0))
-                if beat != w.beat:
-                    w.beat, w.beat_seen = beat, now
-                elif now - w.beat_seen > self.settings.stale_s:
-                    w.state, w.ended_at = "evicted", now
-                    reasons.append(f"worker {w.id} stopped answering")
-                    self.note("failure", f"worker {w.id} silent for {now - w.beat_seen:.1f} s: evicted", worker=w.id)
-                    self._maybe_respawn()
+            code = w.process.poll()
+            if code is not None:
+                self._exited(w, code, now, reasons)
+        if now - self._beats_looked >= BEAT_LOOK_S:
+            self._beats_looked = now
+            self._look_at_beats(now, reasons)
         return reasons
+
+    def _message(self, message: dict[str, Any], now: float, reasons: list[str]) -> None:
+        wid, kind = int(message["worker"]), message["kind"]
+        w = self.workers.get(wid)
+        if w is None:  # started elsewhere (an agent, or by hand)
+            w = self.workers[wid] = Worker(wid, started_at=now)
+        if kind == "join":
+            w.pid, w.host = message.get("pid", w.pid), message.get("host")
+            w.node, w.local_rank = int(message["node"]), int(message.get("local_rank", 0))
+            w.node_size = int(message.get("local_world_size", 1))
+            if w.state != "starting":
+                return
+            if w.node in self.failed_nodes:  # its node was taken out before it joined
+                w.state, w.ended_at = "evicted", now
+                self._tell_node(w.node, self.failed_nodes[w.node])
+                return
+            w.state, w.beat_seen, w.joined_at = "waiting", now, now
+            self.start_failures = 0  # the script gets as far as unison.init()
+        elif kind == "done":
+            if w.state not in ENDED:
+                w.state, w.ended_at = "finished", now
+                w.exit_code = w.process.poll() if w.process is not None else None
+                self._forget(w)
+        elif kind == "leave":
+            if w.state in ENDED:
+                return
+            w.state, w.ended_at = "left", now
+            siblings = self._siblings(w)
+            for s in siblings:  # a node leaves whole: the others take no part any more
+                s.state, s.ended_at = "left", now
+            self._forget(w, *siblings)
+            also = f" (node {w.node}: worker(s) {[s.id for s in siblings]} too)" if siblings else ""
+            reasons.append(f"worker {w.id} left")
+            self.note("leave", f"worker {w.id} left{also}", worker=w.id, node=w.node)
+        elif kind == "exit":  # an agent saw its worker end
+            if w.state not in ENDED:
+                self._exited(w, message.get("code"), now, reasons, reported=True)
+
+    def _siblings(self, w: Worker) -> list[Worker]:
+        """The other processes of ``w``'s node that still take part."""
+        return [
+            s
+            for s in self.workers.values()
+            if s is not w and s.node is not None and s.node == w.node and s.state not in ENDED
+        ]
+
+    def _exited(self, w: Worker, code: Optional[int], now: float, reasons: list[str], reported: bool = False) -> None:
+        """Worker ``w`` ended with ``code``: finished (its done message came), or a failure of its node."""
+        if code == 0 and not reported:
+            # It said it is done just before it exited (or left): the message is on its way.
+            w.exited_at = w.exited_at or now
+            if now - w.exited_at < DONE_GRACE_S:
+                return
+        w.exit_code, w.ended_at = code, now
+        starting, w.state = w.state == "starting", "dead"
+        reasons.append(f"worker {w.id} exited with {code}")
+        self.note("failure", f"worker {w.id} (pid {w.pid or '?'}) exited with {code}", worker=w.id, exit_code=code)
+        self._node_failed(w, f"worker {w.id} exited with {code}", now)
+        if not ((starting or self.epoch == 0) and self._start_failed(w, code, starting)):
+            self._maybe_respawn(w)
+
+    def _look_at_beats(self, now: float, reasons: list[str]) -> None:
+        """Read every joined worker's heartbeat in one ``multi_get``: one that stood still for
+        ``stale_s`` is evicted with its node. Look for ``ft/rebuild/<epoch>`` too."""
+        watched = [w for w in self.workers.values() if w.state in ("waiting", "member")]
+        if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
+            reasons.append(f"the group of epoch {self.epoch} could not be built")
+        if not watched:
+            return
+        beats = self.store.multi_get([f"ft/hb/{w.id}" for w in watched])
+        for w, value in zip(watched, beats):
+            if w.state not in ("waiting", "member"):
+                continue  # evicted with its node above
+            beat = int(value)
+            if beat != w.beat:
+                w.beat, w.beat_seen = beat, now
+            elif now - w.beat_seen > self.settings.stale_s:
+                w.state, w.ended_at = "evicted", now
+                reasons.append(f"worker {w.id} stopped answering")
+                self.note("failure", f"worker {w.id} silent for {now - w.beat_seen:.1f} s: evicted", worker=w.id)
+                self._node_failed(w, f"worker {w.id} stopped answering", now)
+                self._maybe_respawn(w)
+
+    def _node_failed(self, w: Worker, why: str, now: float) -> None:
+        """``w`` failed: take its node out. Its other processes are evicted and stopped (SIGKILL to
+        those this coordinator started; a node's agent stops its own on ``ft/node/<n>/failed``)."""
+        if w.node is None:
+            return
+        self.failed_nodes.setdefault(w.node, why)
+        siblings = self._siblings(w)
+        for s in siblings:
+            s.state, s.ended_at = "evicted", now
+        self._signal_workers([s for s in siblings if s.process is not None], signal.SIGKILL)
+        self._tell_node(w.node, why)
+        if siblings or w.node_size > 1:
+            self.note(
+                "failure",
+                f"node {w.node} taken out ({why}): its worker(s) {[s.id for s in siblings]} stopped",
+                node=w.node,
+                workers=[s.id for s in siblings],
+            )
+        self._forget(w, *siblings)
+
+    def _tell_node(self, node: int, why: str) -> None:
+        try:
+            self.store.set(f"ft/node/{node}/failed", why)
+        except Exception:  # the store is ours; a failure here must not stop the loop
+            pass
+
+    def _forget(self, *workers: Worker) -> None:
+        """Delete the keys of workers that ended (a stopped one that resumes writes its heartbeat again)."""
+        for w in workers:
+            self.store.delete_key(f"ft/hb/{w.id}")
 
     def _may_respawn(self) -> bool:
         s = self.settings
@@ -269,17 +447,26 @@ class Coordinator:
             return False  # the job is ending: a replacement would have nothing to join
         return bool(self.command and s.respawn and (s.max_respawns is None or self.respawns < s.max_respawns))
 
-    def _maybe_respawn(self) -> None:
+    def _maybe_respawn(self, failed: Worker) -> None:
+        """Start a new node for ``failed``'s (once per node: its siblings were evicted with it)."""
         if self._may_respawn():
             self.respawns += 1
-            w = self.spawn()
-            self.note("respawn", f"worker {w.id} started (replacement {self.respawns})", worker=w.id)
+            started = self.spawn_node()
+            ids = [w.id for w in started]
+            what = f"worker {ids[0]}" if len(ids) == 1 else f"node {started[0].node}: workers {ids}"
+            self.note(
+                "respawn",
+                f"{what} started (replacement {self.respawns})",
+                worker=ids[0],
+                workers=ids,
+                node=started[0].node,
+            )
 
     def _start_failed(self, w: Worker, code: Optional[int], starting: bool) -> bool:
         """Worker ``w`` ended before it joined (``starting``) or before the first membership: give
         up the job (True) when this is the ``max_start_failures``-th worker in a row to exit by
         itself before joining (a killed one is not the script's fault), or when the first
-        membership waits for it and no replacement comes."""
+        membership waits for it and no replacement comes (a worker this coordinator started)."""
         if self.aborted is not None:
             return True  # the job is over already: no replacement, no second verdict
         if starting and code is not None and code >= 0:
@@ -290,7 +477,7 @@ class Coordinator:
                 f"{self.start_failures} worker(s) in a row exited before joining (--max-start-failures {limit}): "
                 "the script fails before unison.init(); fix it and launch again"
             )
-        elif self.epoch == 0 and not self._may_respawn():
+        elif self.epoch == 0 and self.command and not self._may_respawn():
             why = "a worker exited before the first membership, which waits for it, and none replaces it"
         else:
             return False
@@ -306,7 +493,8 @@ class Coordinator:
     def _publish(self, members: list[int], joiners: list[int], reason: str) -> None:
         self.epoch += 1
         self.members = members
-        doc = {"members": members, "joiners": joiners, "reason": reason}
+        nodes = [self.workers[wid].node for wid in members]
+        doc = {"members": members, "nodes": nodes, "joiners": joiners, "reason": reason}
         self.store.set(f"ft/members/{self.epoch}", json.dumps(doc))
         self.store.set("ft/epoch", str(self.epoch))
         for wid in joiners:
@@ -316,20 +504,44 @@ class Coordinator:
             f"epoch {self.epoch}: members {members} ({reason})",
             epoch=self.epoch,
             members=members,
+            nodes=nodes,
             joiners=joiners,
         )
+        self._clean(self.epoch - 2)
+
+    def _clean(self, epoch: int) -> None:
+        """Delete the regroup keys of membership ``epoch`` (two behind: nobody builds it any more)."""
+        doc = next((e for e in self.events if e.get("epoch") == epoch and e["kind"] == "regroup"), None)
+        if doc is None:
+            return
+        for wid in doc["members"]:
+            self.store.delete_key(f"ft/pg/{epoch}/ready/{wid}")
+        self.store.delete_key(f"ft/pg/{epoch}/outcome")
+        self.store.delete_key(f"ft/rebuild/{epoch}")
+
+    def _ready_nodes(self) -> list[int]:
+        """The waiting workers of whole nodes (every process of the node joined), node by node in
+        the order they came, each node's in local-rank order: a node is admitted whole."""
+        by_node: dict[int, list[Worker]] = {}
+        for w in self.workers.values():
+            if w.state == "waiting" and w.node is not None:
+                by_node.setdefault(w.node, []).append(w)
+        ready = []
+        for node in sorted(by_node):
+            group = sorted(by_node[node], key=lambda w: w.local_rank)
+            if len(group) == group[0].node_size and node not in self.failed_nodes:
+                ready += [w.id for w in group]
+        return ready
 
     def _step(self, now: float) -> None:
-        if not self.command:
-            self._discover()
         reasons = self._look(now)
-        if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
-            reasons.append(f"the group of epoch {self.epoch} could not be built")
         alive = [wid for wid in self.members if self.workers[wid].state == "member"]
-        waiting = sorted(w.id for w in self.workers.values() if w.state == "waiting")
-        expected = self.settings.expected or self.settings.nproc
-        if self.epoch == 0 and len(waiting) < expected:
-            return  # the first membership waits for every worker of the launch
+        waiting = self._ready_nodes()
+        if self.epoch == 0:
+            s = self.settings
+            nodes = len({self.workers[wid].node for wid in waiting})
+            if (s.expected_nodes and nodes < s.expected_nodes) or len(waiting) < (s.expected or s.nproc):
+                return  # the first membership waits for every worker of the launch
         if waiting:
             reasons.append(f"worker(s) {waiting} joined")
         finished = any(w.state == "finished" for w in self.workers.values())
@@ -409,8 +621,8 @@ class Coordinator:
             logger.info("status: %s", self.page.url)
         try:
             with self.lock:
-                for _ in range(self.settings.nproc if self.command else 0):
-                    self.spawn()
+                for _ in range(self.settings.nproc // self.settings.procs_per_node if self.command else 0):
+                    self.spawn_node()
             self._loop()
             if self.stop_signal is not None:
                 return self._stopped()
@@ -430,8 +642,8 @@ class Coordinator:
         while self.stop_signal is None:
             with self.lock:
                 now = time.time()
-                if self.aborted is None and self.store.check(["ft/abort"]):  # a worker found the job cannot go on
-                    self.aborted = self.store.get("ft/abort").decode()
+                if self.aborted is None and self._abort_seen is not None:  # a worker found the job cannot go on
+                    self.aborted = self._abort_seen
                     self.note("abort", self.aborted)
                 if self.aborted is None:
                     self._step(now)
@@ -440,15 +652,13 @@ class Coordinator:
                 live = [
                     w
                     for w in self.workers.values()
-                    if w.process is not None and w.process.poll() is None and w.state != "evicted"
+                    if w.process is not None
+                    and (w.process.poll() is None or (w.exited_at is not None and w.state not in ENDED))
+                    and w.state != "evicted"
                 ]
                 if self.command and not live:
                     return
-                if (
-                    not self.command
-                    and self.workers
-                    and all(w.state in ("finished", "dead", "evicted", "left") for w in self.workers.values())
-                ):
+                if not self.command and self.workers and all(w.state in ENDED for w in self.workers.values()):
                     return
             time.sleep(TICK_S)
 
@@ -477,6 +687,12 @@ class Coordinator:
             self.stop_workers(0.0)  # an evicted worker that never came back is no member: end it
             if self.aborted is None:
                 self._look(time.time())  # the last exits
+                deadline = time.monotonic() + 2 * DONE_GRACE_S  # and the done messages on their way
+                while time.monotonic() < deadline and any(
+                    w.exited_at is not None and w.state not in ENDED for w in self.workers.values()
+                ):
+                    time.sleep(TICK_S)
+                    self._look(time.time())
         finished = sum(w.state == "finished" for w in self.workers.values())
         broken = [wid for wid in self.members if self.workers[wid].state not in ("finished", "left")]
         if broken:
@@ -504,6 +720,9 @@ class Coordinator:
                 {
                     "id": w.id,
                     "pid": w.pid,
+                    "node": w.node,
+                    "local_rank": w.local_rank,
+                    "host": w.host,
                     "rank": rank.get(w.id) if w.state == "member" else None,
                     "state": w.state,
                     "started_at": w.started_at,
@@ -516,6 +735,7 @@ class Coordinator:
                 for w in sorted(self.workers.values(), key=lambda w: w.id)
             ]
             events = [dict(e) for e in self.events]
+            nodes = self._nodes(rank)
         s = self.settings
         return {
             "job": {
@@ -525,6 +745,8 @@ class Coordinator:
                 "store": f"{self.host}:{self.port}",
                 "command": self.command,
                 "nproc": s.nproc or s.expected,
+                "procs_per_node": s.procs_per_node,
+                "nodes": s.nproc // s.procs_per_node if s.nproc else s.expected_nodes,
                 "min_replicas": s.min_replicas,
                 "respawn": s.respawn,
                 "max_respawns": s.max_respawns,
@@ -534,6 +756,7 @@ class Coordinator:
             "members": list(self.members),
             "committed_step": int(step) if step is not None and step.isdigit() else None,
             "aborted": self.aborted,
+            "nodes": nodes,
             "workers": workers,
             "failures": [e for e in events if e["kind"] == "failure"],
             "joins": [
@@ -544,6 +767,43 @@ class Coordinator:
             "respawns": [e for e in events if e["kind"] == "respawn"],
             "events": events,
         }
+
+    def _nodes(self, rank: dict[int, int]) -> list[dict[str, Any]]:
+        """The nodes (the status page's), from their workers: a node is a ``member`` while all its
+        workers are; ``failed`` once one of them failed (the rest were stopped)."""
+        by_node: dict[int, list[Worker]] = {}
+        for w in sorted(self.workers.values(), key=lambda w: (w.local_rank, w.id)):
+            if w.node is not None:
+                by_node.setdefault(w.node, []).append(w)
+        nodes = []
+        for node, workers in sorted(by_node.items()):
+            states = {w.state for w in workers}
+            if node in self.failed_nodes:
+                state = "failed"
+            elif len(states) == 1:
+                state = states.pop()
+            elif states <= set(ENDED):
+                state = "finished" if "finished" in states else "left"
+            else:
+                state = "starting" if "starting" in states else "waiting"
+            nodes.append(
+                {
+                    "id": node,
+                    "state": state,
+                    "size": workers[0].node_size,
+                    "host": workers[0].host,
+                    "workers": [w.id for w in workers],
+                    "ranks": [rank.get(w.id) if w.state == "member" else None for w in workers],
+                    "failure": self.failed_nodes.get(node),
+                }
+            )
+        return nodes
+
+
+def node_env(node: int, local_rank: int, size: int) -> dict[str, str]:
+    """The environment that places a worker in its node: ``UNISON_FT_NODE``, and torch's
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (which unison.init reads under fault tolerance)."""
+    return {"UNISON_FT_NODE": str(node), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(size)}
 
 
 def main(settings: Settings, command: Optional[Sequence[str]], port: int = 0) -> int:

@@ -304,17 +304,13 @@ def init(
     _timeout = timeout
 
     if member.launched() and not dist.is_initialized():  # under `unison launch --fault-tolerant`
-        m = member.connect()
-        _topology = Topology(
-            rank=m.rank,
-            world_size=m.world_size,
-            local_rank=0,
-            local_world_size=1,
-            launcher="unison-ft",
-            backend="gloo",
-            world_group=dist.group.WORLD,
-        )
-        return _topology
+        _topology = topo = Topology(launcher="unison-ft", backend="gloo")
+        try:
+            member.connect_with(_follow_membership)  # which fills it in, and again at every regroup
+        except BaseException:
+            _topology = None
+            raise
+        return topo
     info = detect_launch()
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -372,6 +368,32 @@ def init(
     )
     _topology = topo
     return topo
+
+
+def _follow_membership(m: "member.Member") -> None:
+    """Under fault tolerance: point the topology at membership ``m`` (its rank, world and default
+    group) and, on nodes of several processes, build its node groups.
+
+    A member is a process; the coordinator admits and removes a node's processes together, in
+    consecutive ranks ordered by local rank, so the node of rank r is r // local_world_size, as
+    with torchrun. The node groups are built again at every regroup, as every group of a membership
+    (``member.new_group``: aborted and destroyed with it).
+    """
+    topo = _topology
+    if topo is None:
+        return
+    topo.rank, topo.world_size, topo.world_group = m.rank, m.world_size, dist.group.WORLD
+    topo.local_rank, topo.local_world_size = m.local_rank, m.local_world_size
+    topo.local_sizes = (m.local_world_size,) * m.world_size
+    if m.rank % m.local_world_size != m.local_rank or m.world_size % m.local_world_size:
+        raise RuntimeError(
+            f"worker {m.id}: membership {m.members} does not hold whole nodes of {m.local_world_size} "
+            "processes in local-rank order (the coordinator admits a node's processes together)"
+        )
+    topo.intra_node_group = topo.inter_node_group = None
+    topo.inter_node_groups = []
+    if m.local_world_size > 1 and topo.num_nodes > 1:
+        _build_groups(topo)
 
 
 def topology() -> Topology:

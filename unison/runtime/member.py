@@ -1,14 +1,16 @@
 """This worker's side of a fault-tolerant job: heartbeats, memberships, regrouping, polled waits.
 
-A worker started by ``unison launch --fault-tolerant`` (or served by ``unison
-coordinator``) finds the coordinator's store in ``UNISON_FT_ADDR`` and
-``UNISON_FT_PORT``. A daemon thread bumps its heartbeat and reads the newest
-membership epoch. Every wait on a collective goes through ``Member.wait``,
-which polls the work together with that epoch: when membership changes, the
-wait raises ``MembershipChanged`` instead of blocking on a dead or stopped
-peer. ``regroup`` then builds torch.distributed's default group again over
-the new members; the abandoned groups are aborted (where the backend can), unregistered, and
-let go by a reaper thread once their work has ended (``_Reaper``), never on the training thread.
+A worker started by ``unison launch --fault-tolerant`` (or by a node's agent, or served by
+``unison coordinator``) finds the coordinator's store in ``UNISON_FT_ADDR`` and
+``UNISON_FT_PORT``, and its node in ``UNISON_FT_NODE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+(a node is a replica group of processes: the unit of failure). Daemon threads bump its
+heartbeat and wait, blocked in the store (no polling), for the next membership and for the
+job's abort. Every wait on a collective goes through ``Member.wait``, which polls the work
+together with the newest epoch this process has seen: when membership changes, the wait raises
+``MembershipChanged`` instead of blocking on a dead or stopped peer. ``regroup`` then builds
+torch.distributed's default group again over the new members; the abandoned groups are aborted
+(where the backend can), unregistered, and let go by a reaper thread once their work has ended
+(``_Reaper``), never on the training thread.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import datetime
 import json
 import os
 import queue
+import signal
+import socket
 import sys
 import threading
 import time
@@ -27,9 +31,15 @@ import torch.distributed as dist
 
 from .health import RankFailure
 
-#: Seconds between two looks at the epoch; the heartbeat is bumped every HEARTBEAT_S.
+#: Seconds between two looks at in-process state (the epoch the watcher last saw) while waiting.
 POLL_S = 0.02
+#: Seconds between two heartbeats.
 HEARTBEAT_S = 0.2
+#: When the heartbeat thread has not run for this long (the process was stopped, or starved), the
+#: training thread reads the epoch from the store itself instead of trusting the watcher.
+STALE_LOOK_S = 3 * HEARTBEAT_S
+#: How long a watcher's blocking wait lasts before it is made again (it ends at once on news).
+WATCH_WAIT = datetime.timedelta(days=1)
 #: A wait looks at the epoch at least this often (seconds).
 WAIT_SLICE = datetime.timedelta(milliseconds=20)
 #: Seconds a regroup waits for the coordinator to publish a membership that includes this worker.
@@ -182,19 +192,42 @@ def build_world(store: dist.Store, rank: int, world_size: int, timeout: datetime
         raise
 
 
+def post(store: dist.Store, kind: str, worker: int, **fields: Any) -> None:
+    """Leave a message for the coordinator in its inbox (``ft/inbox/<k>``, k from a counter): it
+    waits on the next one, blocked in the store, instead of looking at per-worker keys."""
+    k = int(store.add("ft/inbox", 1))
+    store.set(f"ft/inbox/{k}", json.dumps({"kind": kind, "worker": worker, **fields}))
+
+
 class Member:
     """This worker in the coordinator's memberships.
 
     Args:
         addr, port: where the coordinator's store listens.
         worker_id: this worker's id (the launcher sets ``UNISON_FT_ID``; None: take a fresh one).
+        node: this worker's node (the launcher or agent sets ``UNISON_FT_NODE``; None: a node of
+            its own, a fresh id). The node's processes fail, leave and come back together.
+        local_rank, local_world_size: this worker's place in its node, and the node's size.
     """
 
-    def __init__(self, addr: str, port: int, worker_id: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        worker_id: Optional[int] = None,
+        node: Optional[int] = None,
+        local_rank: int = 0,
+        local_world_size: int = 1,
+    ) -> None:
         timeout = datetime.timedelta(seconds=30)
         self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        # One client per blocking wait, and one for the heartbeat: a client runs one request at a time.
         self._watch_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        self._abort_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        self._beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         self.id = int(self.store.add("ft/next_id", 1)) - 1 if worker_id is None else worker_id
+        self.node = int(self.store.add("ft/next_node", 1)) - 1 if node is None else node
+        self.local_rank, self.local_world_size = local_rank, local_world_size
         self.epoch = 0  # the membership this worker's groups belong to
         self.latest = 0  # the newest membership the coordinator published
         self.members: list[int] = []
@@ -204,35 +237,82 @@ class Member:
         self._admitted = False  # a membership with this worker was published (left out later: evicted)
         self.reaper = _Reaper()  # lets go of abandoned groups and works (see bury)
         self.groups: list[Any] = []  # the groups built for this membership beside its default group
+        self.after_regroup: list[Any] = []  # called with this Member once a membership's group is built
         self.committed_step: Optional[int] = None  # the job's committed step, as model.ft last saw it
         self._published_step: Optional[int] = None  # what this worker last wrote under ft/step
-        self._polled = time.monotonic()  # when the watcher last read the epoch
+        self._beat_at = time.monotonic()  # when the heartbeat thread last ran
         self._stop = threading.Event()
-        self.store.set(f"ft/join/{self.id}", str(os.getpid()))
-        self._thread = threading.Thread(target=self._watch, name="unison-ft-member", daemon=True)
-        self._thread.start()
+        self.store.set(f"ft/hb/{self.id}", "0")  # before the join: the coordinator reads it from then on
+        post(
+            self.store,
+            "join",
+            self.id,
+            pid=os.getpid(),
+            node=self.node,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            host=socket.gethostname(),
+        )
+        self._threads = [
+            threading.Thread(target=target, name=f"unison-ft-{name}", daemon=True)
+            for name, target in (("beat", self._beat), ("watch", self._watch), ("abort", self._watch_abort))
+        ]
+        for thread in self._threads:
+            thread.start()
         atexit.register(self._at_exit)
 
-    # ---- the watcher thread ---------------------------------------------------------
+    # ---- the daemon threads -----------------------------------------------------------
+    def _gone(self, exc: BaseException) -> None:
+        if not self._stop.is_set() and self.lost is None:
+            self.lost = f"the coordinator cannot be reached (it died or its machine went down) [{exc}]"
+
+    def _beat(self) -> None:
+        """Bump ``ft/hb/<id>`` every HEARTBEAT_S (one store operation), and publish the step. A
+        worker started by a node's agent (``UNISON_FT_AGENT_PID``) ends itself when the agent is
+        gone (killed: nobody would stop or replace its node), so it outlives it by a heartbeat."""
+        agent = os.environ.get("UNISON_FT_AGENT_PID")
+        while not self._stop.is_set():
+            if agent is not None and os.getppid() != int(agent):
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                self._beat_store.add(f"ft/hb/{self.id}", 1)
+                self._publish_step()
+            except Exception as exc:  # the coordinator's store is gone
+                self._gone(exc)
+                return
+            self._beat_at = time.monotonic()
+            self._stop.wait(HEARTBEAT_S)
+
     def _watch(self) -> None:
-        beats_every = max(1, round(HEARTBEAT_S / POLL_S))
-        n = 0
+        """Wait, blocked in the store, for the next membership's document (``ft/members/<e+1>``;
+        the coordinator numbers them one by one), and take its epoch as the newest."""
+        store = self._watch_store
         while not self._stop.is_set():
             try:
-                if n % beats_every == 0:
-                    self._watch_store.add(f"ft/hb/{self.id}", 1)
-                    self._publish_step()
-                if self._watch_store.check(["ft/epoch"]):
-                    self.latest = int(self._watch_store.get("ft/epoch"))
-                if self._watch_store.check(["ft/abort"]):
-                    self.lost = f"the coordinator ended the job: {self._watch_store.get('ft/abort').decode()}"
-            except Exception as exc:  # the coordinator's store is gone
-                if not self._stop.is_set():
-                    self.lost = f"the coordinator cannot be reached (it died or its machine went down) [{exc}]"
+                latest = int(store.get("ft/epoch")) if store.check(["ft/epoch"]) else 0
+                while store.check([f"ft/members/{latest + 1}"]):
+                    latest += 1
+                self.latest = max(self.latest, latest)
+                store.wait([f"ft/members/{self.latest + 1}"], WATCH_WAIT)
+            except dist.DistStoreError:
+                continue  # the day-long wait ran out: wait again
+            except Exception as exc:
+                self._gone(exc)
                 return
-            self._polled = time.monotonic()
-            n += 1
-            self._stop.wait(POLL_S)
+
+    def _watch_abort(self) -> None:
+        """Wait, blocked in the store, for ``ft/abort`` (the coordinator or a worker ends the job)."""
+        while not self._stop.is_set():
+            try:
+                self._abort_store.wait(["ft/abort"], WATCH_WAIT)
+                if not self._stop.is_set():
+                    self.lost = f"the coordinator ended the job: {self._abort_store.get('ft/abort').decode()}"
+                return
+            except dist.DistStoreError:
+                continue
+            except Exception as exc:
+                self._gone(exc)
+                return
 
     def _publish_step(self) -> None:
         """Rank 0 of the current membership writes the committed step under ``ft/step`` (the
@@ -240,7 +320,7 @@ class Member:
         store round trip per step."""
         step, members = self.committed_step, self.members
         if step is not None and step != self._published_step and members and members[0] == self.id:
-            self._watch_store.set("ft/step", str(step))
+            self._beat_store.set("ft/step", str(step))
             self._published_step = step
 
     # ---- asking -------------------------------------------------------------------------
@@ -258,8 +338,7 @@ class Member:
         the epoch is read now: a worker resuming after its eviction must not go on as a member.
         """
         self.check()
-        if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
-            self.latest = int(self.store.get("ft/epoch"))
+        self._look_if_stale()
         return self.latest != self.epoch
 
     def membership_moved(self, within: float = FAILURE_GRACE_S) -> bool:
@@ -327,7 +406,7 @@ class Member:
                 # It ended, maybe just after the slice ran out ("Operation timed out!" raced its
                 # completion): what it ended with decides, its result or its own error (a peer died).
                 result = work.wait()
-            if time.monotonic() - self._polled > 10 * POLL_S and self.changed():
+            if time.monotonic() - self._beat_at > STALE_LOOK_S and self.changed():
                 raise MembershipChanged(
                     f"membership epoch {self.latest} replaced {self.epoch} while this worker was stopped"
                 )
@@ -340,6 +419,7 @@ class Member:
     def _newest_with_me(self, deadline: float, seen: int) -> tuple[int, dict[str, Any]]:
         """The newest membership, once it is newer than ``seen`` and holds this worker; RankFailure if
         this worker was admitted and is left out (evicted), or the job ended before it was admitted."""
+        look_over = 0.0  # when to look at ft/over next (a joiner not admitted yet: every HEARTBEAT_S)
         while True:
             self.check()
             latest = self._newest()
@@ -355,7 +435,7 @@ class Member:
                         [],
                     )
                 seen = latest  # a joiner not admitted yet
-            if self.epoch == 0 and self.store.check(["ft/over"]):
+            if self.epoch == 0 and time.monotonic() > look_over and self.store.check(["ft/over"]):
                 raise RankFailure(f"worker {self.id}: the job finished before this worker could join it", [])
             if time.time() > deadline:
                 raise RankFailure(
@@ -363,13 +443,20 @@ class Member:
                     "(is the coordinator alive?)",
                     [],
                 )
+            if time.monotonic() > look_over:
+                look_over = time.monotonic() + HEARTBEAT_S
             time.sleep(POLL_S / 4)
 
     def _newest(self) -> int:
-        """The newest membership published; read now if the watcher has not looked for a while."""
-        if time.monotonic() - self._polled > 10 * POLL_S and self.store.check(["ft/epoch"]):
-            self.latest = int(self.store.get("ft/epoch"))
+        """The newest membership published; read now if the watcher may have missed it."""
+        self._look_if_stale()
         return self.latest
+
+    def _look_if_stale(self) -> None:
+        """Read the epoch from the store when the heartbeat thread has not run for STALE_LOOK_S:
+        this process was stopped (or starved), and the watcher may not have woken up yet."""
+        if time.monotonic() - self._beat_at > STALE_LOOK_S and self.store.check(["ft/epoch"]):
+            self.latest = max(self.latest, int(self.store.get("ft/epoch")))
 
     def _gather(self, epoch: int, doc: dict[str, Any], deadline: float) -> bool:
         """Whether the members of ``epoch`` build its group: all of them or none.
@@ -421,18 +508,21 @@ class Member:
             store = dist.PrefixStore(f"ft/pg/{epoch}/", self.store)
             try:
                 build_world(store, rank, len(doc["members"]), RENDEZVOUS_TIMEOUT)
+                _backstop(dist.group.WORLD)
+                self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
+                for hook in self.after_regroup:  # the node groups of the topology (launch.init)
+                    hook(self)
             except RuntimeError:
                 # A member that was ready died or stopped before it met the others (the coordinator
                 # publishes a membership without it), or the build ran out of time on a busy machine
                 # (it publishes the same members again): we wait for that one, never this one again.
                 self._rebuild(epoch)
                 continue
-            _backstop(dist.group.WORLD)
-            self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
             return doc
 
     def _rebuild(self, epoch: int) -> None:
-        """Ask the coordinator for a membership after ``epoch`` even if nobody died."""
+        """Ask the coordinator for a membership after ``epoch`` even if nobody died (it looks for
+        ``ft/rebuild/<epoch>`` with the heartbeats)."""
         self.store.set(f"ft/rebuild/{epoch}", str(self.id))
 
     def _abandon(self) -> None:
@@ -456,7 +546,7 @@ class Member:
 
     def leave(self) -> None:
         """Leave the job gracefully: the others regroup without this worker."""
-        self.store.set(f"ft/leave/{self.id}", "1")
+        post(self.store, "leave", self.id)
         self.close(finished=False)
 
     def _at_exit(self) -> None:
@@ -470,7 +560,7 @@ class Member:
         self._stop.set()
         if finished and self.lost is None:
             try:
-                self.store.set(f"ft/done/{self.id}", "1")
+                post(self.store, "done", self.id)
             except Exception:  # the coordinator is gone: nothing to tell
                 pass
 
@@ -505,16 +595,40 @@ def active() -> Optional[Member]:
 
 def connect() -> Member:
     """Join the coordinator named by the environment and wait for the first membership with this worker."""
+    return connect_with()
+
+
+def connect_with(*after_regroup: Any) -> Member:
+    """``connect()``, with functions to call after every regroup of this worker, the first one
+    included (its Member as argument): they run inside the regroup, and a failure of theirs is
+    one of the regroup's (the same members are asked for again)."""
     global _member
     if _member is None:
-        wid = os.environ.get("UNISON_FT_ID")
+        env = os.environ
+        wid, node = env.get("UNISON_FT_ID"), env.get("UNISON_FT_NODE")
+        local_rank, local_world = 0, 1  # without UNISON_FT_NODE (torchrun's LOCAL_RANK aside): a node of its own
+        if node is not None:
+            local_rank, local_world = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+        if not 0 <= local_rank < local_world:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} is not a local rank of a node of LOCAL_WORLD_SIZE={local_world} processes"
+            )
         member = Member(
-            os.environ.get("UNISON_FT_ADDR", "127.0.0.1"),
-            int(os.environ["UNISON_FT_PORT"]),
+            env.get("UNISON_FT_ADDR", "127.0.0.1"),
+            int(env["UNISON_FT_PORT"]),
             None if wid is None else int(wid),
+            None if node is None else int(node),
+            local_rank,
+            local_world,
         )
-        member.regroup()
-        _member = member
+        _member = member  # before its first group: groups built for it are its membership's (new_group)
+        member.after_regroup.extend(after_regroup)
+        try:
+            member.regroup()
+        except BaseException:
+            _member = None
+            member.close(finished=False)
+            raise
     return _member
 
 

@@ -6,14 +6,15 @@ chunk-wise top-k entries quantized to ``bits`` bits (``engine.topk``), and keeps
 ranks all-gather the fixed-size messages, each decodes and averages them, and the outer step is
 plain descent: ``global -= outer_lr * average`` (the error feedback stands in for DiLoCo's outer
 momentum). Every rank then takes the new global weights. ``fragments`` and ``delay`` stream the
-syncs as diloco's do.
+syncs as diloco's do. ``hierarchical``: the node sums the pseudo-gradients at full precision, each
+local rank keeps the error feedback of its shard of whole chunks and only its sparse message
+crosses nodes (``engine.hierarchy.TwoLevel``).
 
 See docs/algorithms.md#sparseloco.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,7 @@ from ...engine.averaging import average_async
 from ...engine.comm import Finished, Waitable, start
 from ...engine.comm import wait as comm_wait
 from ...engine.flat import Flat
+from ...engine.hierarchy import TwoLevel
 from ...engine.topk import BITS, TopK, scratch_numel
 from ...replica import Replica
 from .. import options
@@ -39,7 +41,18 @@ class SparseLoCoState(StreamedState):
     ``feedback``, as ``unison.fault.RANK_LOCAL`` names it).
     """
 
-    __slots__ = ("names", "params", "buffers", "fragments", "globals", "errors", "codecs", "messages", "group")
+    __slots__ = (
+        "names",
+        "params",
+        "buffers",
+        "fragments",
+        "globals",
+        "errors",
+        "codecs",
+        "messages",
+        "group",
+        "node_parts",
+    )
 
     def __init__(
         self,
@@ -66,6 +79,7 @@ class SparseLoCoState(StreamedState):
             self.errors = [Flat(ps, torch.float32, c.padded) for ps, c in zip(self.params, codecs)]
         # per fragment: this rank's message and every rank's ([world, nbytes]), reused at each sync
         self.messages = [(c.empty(), c.empty(world)) for c in codecs]
+        self.node_parts: list[NodePart] = []  # hierarchical: per fragment, this rank's shard and its buffers
 
     def _by_name(self, flats: list[Flat]) -> dict[str, torch.Tensor]:
         return {n: v.detach().clone() for f, flat in zip(self.fragments, flats) for n, v in zip(f, flat.views)}
@@ -110,20 +124,27 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         outer_lr: the outer step's learning rate (the paper's 1.0).
         beta: the error feedback's decay, in [0, 1] (the paper's 0.95); 1 keeps it whole.
         chunk: values per chunk (the last chunks of a fragment are evened out, so at most this).
-        density: the share of each chunk sent, in (0, 1] (the paper's 1-3%; 0.02: 82 of 4096).
+        density: the share of each chunk sent, in (0, 1] (the paper's 1-3%; 1/64: 64 of 4096).
         topk: the entries per chunk, instead of ``density`` (at most ``chunk``).
         bits: bits per value sent: 2, 4 or 8.
         fragments, delay: how the syncs are streamed (see ``streaming.Streamed``); the default
             is the paper's schedule, one fragment and no delay.
+        hierarchical: the node sums the pseudo-gradients inside at full precision; each local
+            rank keeps the error feedback of its shard (whole chunks) of the node's mean and sends
+            its sparse message to the same local rank of every other node; the node gathers the
+            decoded average. Only ``nodes - 1`` messages per local rank cross nodes.
 
     A message is the chunks' float32 scales, ``k`` indices per chunk in the smallest integer
     type that holds the chunk's size (int16 for 4096), and the codes bit-packed: about
-    ``density * (16 + bits) / 32`` of fp32's bytes (2.2% at the defaults; ``engine.topk``).
+    ``density * (16 + bits) / 32`` of fp32's bytes (0.9% at the defaults; ``engine.topk``): on 4
+    ranks, 1/55 of what fp32 diloco sends (an all-gather's bytes grow with the ranks: ``W / 2``
+    times the message's share).
     Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
 
     Memory: the global weights and the error feedback, in float32 (+2 P for a float32 model),
-    each rank's message (about 0.02 P per rank at the defaults) and, while a sync travels with a
-    ``delay``, its fragment's weights at launch.
+    each rank's message (about 0.01 P per rank at the defaults) and, while a sync travels with a
+    ``delay``, its fragment's weights at launch; hierarchical, a float32 buffer the node's rounds
+    run in (+1 P).
 
     Example::
 
@@ -139,12 +160,9 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     outer_lr: float = 1.0
     beta: float = 0.95
     chunk: int = 4096
-    density: float = 0.02
+    density: float = 1 / 64  # 64 of a chunk of 4096: 1/50 of fp32 diloco's bytes on 4 ranks
     topk: Optional[int] = None
     bits: int = 2
-    #: Not an option yet (the node summing in full precision before the sparse message crosses
-    #: nodes is not built): ``sparseloco:hierarchical=true`` is refused as an unknown option.
-    hierarchical: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self) -> None:
         options.integer("period", self.period)
@@ -178,6 +196,11 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         scratch = torch.empty(max(scratch_numel(n, self.chunk) for n in sizes), device=device)  # one sync at a time
         codecs = [TopK(n, self.chunk, self.density, self.topk, self.bits, device, scratch) for n in sizes]
         state = SparseLoCoState(StepCount(self.period), fragments, buffers, codecs, group, world)
+        if self.hierarchical and group is not None:
+            topology, private = replica.topology, replica.private_group
+            state.levels = TwoLevel.build(topology, group, private, self.name, "sparseloco/nodes", thread=True)
+            if state.levels is not None:
+                state.node_parts = [NodePart(state.levels, c, self.bits, scratch) for c in codecs]
         self.stream(replica, state, len(fragments))
         return state
 
@@ -188,19 +211,60 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         error, codec = state.errors[f], state.codecs[f]
         mine, everyone = state.messages[f]
         with torch.no_grad():
+            at_launch = [p.detach().clone() for p in params] if state.late else None
+            buffers = state.buffers if f == len(state.params) - 1 else []
+            if state.levels is not None:
+                return self._launch_nodes(state, f, params, buffers), at_launch
             if self.beta != 1:
                 error.flat.mul_(self.beta)
             error.flat.add_(state.globals[f].flat)  # + global - params: the pseudo-gradient
             torch._foreach_sub_(error.views, [p.detach() for p in params])
             codec.encode(error.flat, mine)
             error.flat[error.numel :].zero_()  # a padding entry sent (as any value, never 0) is not kept
-            at_launch = [p.detach().clone() for p in params] if state.late else None
-            buffers = state.buffers if f == len(state.params) - 1 else []
             if state.group is None:
                 return Finished([mine.view(1, -1)] + [b.detach().clone() for b in buffers]), at_launch
             pending = Exchange(mine, everyone, state.group, buffers)
         state.bytes_sent += pending.wire_bytes
         return pending, at_launch
+
+    def _launch_nodes(
+        self, state: SparseLoCoState, f: int, params: list[torch.Tensor], buffers: list[torch.Tensor]
+    ) -> Waitable:
+        """Hierarchical: write ``fragment``'s pseudo-gradient into its node buffer and run the
+        node's round on the levels' thread; the buffers are averaged flat beside it."""
+        levels, part, glob = state.levels, state.node_parts[f], state.globals[f]
+        assert levels is not None and state.group is not None
+        part.work.copy_(glob.flat)  # its padding is zero
+        torch._foreach_sub_(part.views(glob), [p.detach() for p in params])
+        pending = levels.submit(self._node_round, state, f, meter=state)
+        averaged = average_async(buffers, state.group) if buffers else None
+        if averaged is not None:
+            state.bytes_sent += averaged.wire_bytes
+        return NodeExchange(pending, averaged)
+
+    def _node_round(self, state: SparseLoCoState, f: int) -> torch.Tensor:
+        """On the levels' thread: the node's sum of this rank's shard, folded (as the node's mean)
+        into this rank's error feedback, its top-k all-gathered across nodes, decoded in node order
+        and averaged, and every shard's average gathered in the node; returns the dense average."""
+        levels, part, error = state.levels, state.node_parts[f], state.errors[f]
+        assert levels is not None
+        work, (start, end) = part.work, levels.shard(part.bounds)
+        with torch.no_grad():
+            shard = levels.scatter(work, part.bounds)
+            codec, message, everyone = part.codec, part.mine, part.everyone
+            if codec is not None and message is not None and everyone is not None:
+                mine = error.flat[start:end]
+                if self.beta != 1:
+                    mine.mul_(self.beta)
+                mine.add_(shard, alpha=1.0 / levels.local_size)
+                codec.encode(mine, message)
+                error.flat[error.numel :].zero_()  # a padding entry sent is not kept
+                comm_wait(start_gather(everyone, message, levels.inter))
+                levels.inter_bytes += (levels.nodes - 1) * message.numel()
+                shard = work[start:end].zero_()
+                for received in everyone:  # in node order: the same bits on every node
+                    codec.decode_add(received, shard, 1.0 / levels.nodes)
+            return levels.gather(work, shard, part.bounds)
 
     def merge(self, replica: Replica, state: SparseLoCoState, fragment: int, result: Any, extra: Any) -> None:
         """The outer step on ``fragment``: ``global -= outer_lr * mean(decoded messages)``, then
@@ -209,9 +273,12 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         messages, averaged = result[0], result[1:]
         glob, codec = state.globals[f], state.codecs[f]
         with torch.no_grad():
-            alpha = -self.outer_lr / messages.shape[0]
-            for message in messages:  # in rank order: every rank adds the same values in the same order
-                codec.decode_add(message, glob.flat, alpha)
+            if messages.dtype == torch.uint8:
+                alpha = -self.outer_lr / messages.shape[0]
+                for message in messages:  # in rank order: every rank adds the same values in the same order
+                    codec.decode_add(message, glob.flat, alpha)
+            else:  # hierarchical: the decoded average itself, the same bits on every rank
+                glob.flat.add_(messages, alpha=-self.outer_lr)
             glob.flat[glob.numel :].zero_()
             params = [p.detach() for p in state.params[f]]
             if at_launch is None:
@@ -239,3 +306,50 @@ class Exchange:
     def wait(self) -> list[torch.Tensor]:
         comm_wait(self._work)
         return [self._everyone, *(self._buffers.wait() if self._buffers is not None else [])]
+
+
+def start_gather(everyone: torch.Tensor, mine: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Any:
+    """Start the all-gather of ``mine`` into the rows of ``everyone`` over ``group``."""
+    return start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
+
+
+class NodePart:
+    """Hierarchical: one fragment's padded layout cut between the local ranks at chunk boundaries
+    (``bounds``), the codec of this rank's shard (None when its shard is empty: then it sends
+    nothing, as the same local rank on every node), its message and every node's, and the float32
+    buffer (``work``, the fragment's padded length) the node's rounds run in."""
+
+    __slots__ = ("bounds", "codec", "mine", "everyone", "work")
+
+    def __init__(self, levels: TwoLevel, codec: TopK, bits: int, scratch: torch.Tensor) -> None:
+        local, size = levels.local_size, codec.size
+        self.bounds = [size * (codec.chunks * k // local) for k in range(local + 1)]
+        start, end = levels.shard(self.bounds)
+        self.codec: Optional[TopK] = None
+        self.mine: Optional[torch.Tensor] = None
+        self.everyone: Optional[torch.Tensor] = None
+        if end > start:
+            self.codec = TopK(end - start, size, topk=codec.k, bits=bits, device=codec.device, scratch=scratch)
+            self.mine, self.everyone = self.codec.empty(), self.codec.empty(levels.nodes)
+        self.work = torch.zeros(codec.padded, dtype=torch.float32, device=codec.device)
+
+    def views(self, glob: Flat) -> list[torch.Tensor]:
+        """Views of ``work`` laid out as ``glob.views`` are in ``glob.flat``."""
+        out, first = [], 0
+        for v in glob.views:
+            out.append(self.work[first : first + v.numel()].view(v.shape))
+            first += v.numel()
+        return out
+
+
+class NodeExchange:
+    """A hierarchical sync in flight: the node's round on the levels' thread and the flat average of
+    the buffers; ``wait()`` gives ``[dense average, *buffer averages]`` (the average copied: the
+    node buffer is reused by the next sync)."""
+
+    def __init__(self, pending: Any, buffers: Any) -> None:
+        self._pending, self._buffers = pending, buffers
+
+    def wait(self) -> list[torch.Tensor]:
+        average = self._pending.wait()
+        return [average, *(self._buffers.wait() if self._buffers is not None else [])]

@@ -56,9 +56,10 @@ def add_parser(subparsers) -> None:
     what.add_argument("--workload", choices=workloads.NAMES, default="digits", help="built-in workload")
     what.add_argument(
         "--model",
-        metavar="PKG.MOD:FACTORY",
+        metavar="SIZE|PKG.MOD:FACTORY",
         default=None,
-        help="your own: factory() returns (model, dataset, loss_fn); replaces --workload",
+        help="the workload's size (charlm: small, medium (3.2M parameters), large (10.7M)), or your own model: "
+        "factory() returns (model, dataset, loss_fn) and replaces --workload",
     )
     what.add_argument(
         "--contenders",
@@ -71,16 +72,24 @@ def add_parser(subparsers) -> None:
     what.add_argument("--list", action="store_true", help="print every contender and exit")
     net = p.add_argument_group("the network")
     net.add_argument(
+        "--network",
+        choices=netem.PRESETS,
+        default="lan",
+        help="a named network, each node's link: "
+        + ", ".join(f"{name} ({rate}, {delay})" for name, (rate, delay) in netem.PRESETS.items())
+        + "; --bandwidth and --latency override its parts",
+    )
+    net.add_argument(
         "--bandwidth",
         type=_checked(netem.parse_rate),
-        default="1gbit",
-        help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited'",
+        default=None,
+        help="each node's link rate, tc syntax (100mbit, 10gbit) or 'unlimited' (default: the --network's)",
     )
     net.add_argument(
         "--latency",
         type=_checked(netem.parse_delay),
-        default="2ms",
-        help="one-way delay between nodes (500us, 2ms) or 0",
+        default=None,
+        help="one-way delay between nodes (500us, 2ms) or 0 (default: the --network's)",
     )
     net.add_argument("--nodes", type=positive_int, default=2, help="emulated machines")
     net.add_argument(
@@ -145,14 +154,15 @@ def add_parser(subparsers) -> None:
 
 
 def config_from(args: argparse.Namespace) -> runner.BenchConfig:
+    rate, delay = netem.PRESETS[getattr(args, "network", None) or "lan"]
     return runner.BenchConfig(
         workload=args.workload,
         model=args.model,
         contenders=args.contenders,
         nodes=args.nodes,
         procs_per_node=args.procs_per_node,
-        bandwidth=args.bandwidth,
-        latency=args.latency,
+        bandwidth=rate if args.bandwidth is None else args.bandwidth,
+        latency=delay if args.latency is None else args.latency,
         emulate=not args.no_emulation,
         steps=args.steps,
         time_budget_s=args.time_budget,
@@ -197,14 +207,23 @@ def run(args: argparse.Namespace) -> int:
     return bench(config, specs, console, json_path=args.json, argv=sys.argv)
 
 
+def workload_name(config: runner.BenchConfig) -> str:
+    """The workload as the report names it: the user's factory, or the built-in one and its size."""
+    if workloads.is_factory(config.model):
+        return str(config.model)
+    return f"{config.workload} ({config.model})" if config.model else config.workload
+
+
 def validate(config: runner.BenchConfig) -> list[contenders.Spec]:
     """Check the options before anything starts; the contenders to run."""
     if config.nodes * config.procs_per_node < 2:
         raise ValueError("a bench needs at least 2 processes: raise --nodes or --procs-per-node")
-    if config.model:
+    if workloads.is_factory(config.model):
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not look in the current folder
-        workloads.resolve_factory(config.model)
+        workloads.resolve_factory(str(config.model))
+    elif config.model:
+        workloads.check_size(config.workload, config.model)
     specs = contenders.parse_list(config.contenders, config.quick, config.nodes, config.procs_per_node)
     if config.target_from is not None:
         if config.target is not None:
@@ -280,7 +299,7 @@ def announce(
         how_long += f"; target: within 2% of {config.target_from}'s final {settings.metric}"
     twins = sum(1 for s in specs if s.options.get("hierarchical") is True)
     count = f"{len(specs)} contenders" + (f" ({twins} hierarchical)" if twins else "")
-    console.print(f"unison bench: {config.model or config.workload}, {count}, {network['summary']}; {how_long}")
+    console.print(f"unison bench: {workload_name(config)}, {count}, {network['summary']}; {how_long}")
     for line in deps.skipped(specs):
         console.print(f"[yellow]{escape(line)}[/]")
     if not config.plots:
@@ -314,7 +333,7 @@ def report_doc(
     return {
         "command": " ".join(argv or []),
         "workload": {
-            "name": config.model or config.workload,
+            "name": workload_name(config),
             "metric": settings.metric,
             "higher_is_better": settings.higher_is_better,
             "params": next((r["params"] for r in results if r.get("params")), None),

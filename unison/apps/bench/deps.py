@@ -41,7 +41,7 @@ def needs(config: BenchConfig) -> list[Need]:
     out = []
     if config.plots:
         out.append(Need("matplotlib", "matplotlib", "the plots need it", "or give --no-plot to run without plots"))
-    if config.model is None and config.workload == "digits":
+    if ":" not in (config.model or "") and config.workload == "digits":
         out.append(Need("sklearn", "scikit-learn", "the digits workload needs it"))
     return out
 

@@ -47,6 +47,15 @@ _RATE_UNITS = {
     "gbps": 8e9,
 }
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+#: Named networks (``unison bench --network NAME``): (bandwidth, one-way latency) of each node's link.
+#: "lan" is the bench's default; "10mbit" and "1mbit" are links between sites or homes, where
+#: SparseLoCo and DeMo are meant to run (a kernel without netem emulates only their bandwidth).
+PRESETS: dict[str, tuple[str, str]] = {
+    "lan": ("1gbit", "2ms"),
+    "10mbit": ("10mbit", "20ms"),
+    "1mbit": ("1mbit", "50ms"),
+}
 _NO_LIMIT = ("", "0", "none", "unlimited", "off")
 
 

@@ -12,12 +12,14 @@ Built in:
   4.3M parameters, so communication matters); test accuracy, target 95%.
 - ``charlm``: the character-level transformer LM on the Python standard
   library's source (``unison.apps.workloads.charlm``); validation loss in nats per
-  character, target 2.0.
+  character, target 2.0. ``--model small`` (the default, 0.1M parameters),
+  ``medium`` (3.2M) or ``large`` (10.7M: its exchanges matter at internet speeds)
+  picks its size (``SIZED``; the larger ones at a smaller learning rate).
 - ``mlp``: a 22M-parameter MLP on synthetic data labelled by a fixed random
   linear teacher, for throughput on a communication-heavy model; held-out
   accuracy, no fixed target.
 
-``--model package.module:factory`` names a function ``factory()`` returning
+``--model package.module:factory`` (a name with a colon) names a function ``factory()`` returning
 ``(model, dataset, loss_fn)``: ``loss_fn(model(x), y)`` over batches ``(x, y)``
 of the dataset. Its last tenth (at most 1024 samples) is held out, and the
 quality is the mean loss there.
@@ -26,7 +28,7 @@ quality is the mean loss there.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,6 +37,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 NAMES = ("digits", "charlm", "mlp")
+#: The workloads that come in sizes (``--model SIZE``), and each size's learning rate when it is
+#: not the workload's own (a wider transformer takes a smaller Adam step; not tuned further).
+SIZED: dict[str, dict[str, Optional[float]]] = {"charlm": {"small": None, "medium": 3e-3, "large": 1e-3}}
 
 
 @dataclass
@@ -77,25 +82,51 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters())
 
 
+def is_factory(model_spec: Optional[str]) -> bool:
+    """Whether ``--model`` names the user's ``package.module:factory`` (a colon), not a size."""
+    return bool(model_spec) and ":" in str(model_spec)
+
+
+def check_size(name: Optional[str], size: str) -> None:
+    """Refuse a ``--model SIZE`` that workload ``name`` does not come in (ValueError saying what does)."""
+    sizes = SIZED.get(str(name))
+    if sizes is None:
+        sized = ", ".join(SIZED)
+        raise ValueError(
+            f"--model {size}: workload {name!r} comes in one size; sizes are for {sized} "
+            "(or give --model package.module:factory)"
+        )
+    if size not in sizes:
+        raise ValueError(
+            f"--model {size}: {name} comes in sizes {', '.join(sizes)} (or give --model package.module:factory)"
+        )
+
+
 def settings_for(name: Optional[str], model_spec: Optional[str] = None) -> Settings:
-    """The settings of a built-in workload, or of the user's ``--model``."""
-    if model_spec:
+    """The settings of a built-in workload (of the size ``model_spec`` names), or of the user's ``--model``."""
+    if is_factory(model_spec):
         return SETTINGS["custom"]
     if name not in NAMES:
         raise ValueError(
             f"unknown workload {name!r}; choose one of {', '.join(NAMES)} or give --model package.module:factory"
         )
+    if model_spec:
+        check_size(name, model_spec)
+        lr = SIZED[name][model_spec]
+        return SETTINGS[name] if lr is None else replace(SETTINGS[name], lr=lr)
     return SETTINGS[name]
 
 
 def load(name: Optional[str], seed: int = 0, model_spec: Optional[str] = None) -> Workload:
-    """Build the workload ``name`` (or the user's ``model_spec``) from ``seed``."""
+    """Build the workload ``name`` (of the size ``model_spec`` names, or the user's factory) from ``seed``."""
     settings = settings_for(name, model_spec)
-    if model_spec:
-        return _custom(model_spec, seed, settings)
+    if is_factory(model_spec):
+        return _custom(str(model_spec), seed, settings)
     if name is None:
         raise ValueError("name a workload (digits, charlm, mlp) or give a model spec")
-    return {"digits": _digits, "charlm": _charlm, "mlp": _mlp}[name](seed, settings)
+    if name == "charlm":
+        return _charlm(seed, settings, size=model_spec or "small")
+    return {"digits": _digits, "mlp": _mlp}[name](seed, settings)
 
 
 def make_optimizer(workload: Workload, params, lr: Optional[float] = None, algorithm: Optional[str] = None):
@@ -151,22 +182,24 @@ def _digits(seed: int, settings: Settings) -> Workload:
     )
 
 
-def _charlm(seed: int, settings: Settings, text_bytes: int = 393216, context: int = 64) -> Workload:
+def _charlm(
+    seed: int, settings: Settings, text_bytes: int = 393216, context: int = 64, size: str = "small"
+) -> Workload:
     from ..workloads import charlm
 
     text = charlm.load_text(text_bytes)
     vocab = charlm.Vocab(text)
     train_ids, val_ids = charlm.split(vocab.encode(text))
     train, val = charlm.CharDataset(train_ids, context), charlm.CharDataset(val_ids, context)
-    model = charlm.build(seed, len(vocab), context)
+    model = charlm.build(seed, len(vocab), context, **charlm.SIZES[size])
     return Workload(
-        "charlm",
+        "charlm" if size == "small" else f"charlm ({size})",
         model,
         train,
         charlm.loss_fn,
         lambda m: charlm.validation_loss(m, val, batches=8),
         settings,
-        {"characters": len(text), "vocab": len(vocab), "train_windows": len(train)},
+        {"characters": len(text), "vocab": len(vocab), "train_windows": len(train), "size": size},
     )
 
 
