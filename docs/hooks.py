@@ -58,7 +58,10 @@ GROUPS = [
     ("Starting the processes: `unison.init`, launchers", ("runtime/launch.py", "runtime/__init__.py")),
     ("Wrapping the model: `DataParallel` and its options", ("parallel.py", "ddp_keywords.py", "core.py")),
     ("Choosing an algorithm and its options", ("algorithms/",)),
-    ("Training steps: backward, hooks, `join`, debug mode", ("engine/", "events.py", "comm_hook.py", "join.py", "debug.py", "runtime/health.py")),
+    (
+        "Training steps: backward, hooks, `join`, debug mode",
+        ("engine/", "events.py", "comm_hook.py", "join.py", "debug.py", "runtime/health.py"),
+    ),
     ("Wrapping the optimizer: `DistributedOptimizer`", ("optim.py",)),
     ("Data: `ShardSampler`, `sharded_loader`", ("data.py",)),
     ("Checkpoints: `unison.save`, `unison.load`", ("checkpoint.py",)),
@@ -119,9 +122,18 @@ def errors_tables() -> str:
     for (title, _), entries in zip(GROUPS, rows):
         if not entries:
             continue
-        parts.append(f"### {title}\n\n| error | message (`{{…}}`: filled in at run time) | raised in |\n| --- | --- | --- |")
+        parts.append(
+            f"### {title}\n\n| error | message (`{{…}}`: filled in at run time) | raised in |\n| --- | --- | --- |"
+        )
         for rel, line, kind, msg in entries:
-            text = " ".join(msg.split()).replace("|", "\\|").replace("<", "&lt;").replace("`", "'").replace("[", "\\[").replace("]", "\\]")
+            text = (
+                " ".join(msg.split())
+                .replace("|", "\\|")
+                .replace("<", "&lt;")
+                .replace("`", "'")
+                .replace("[", "\\[")
+                .replace("]", "\\]")
+            )
             parts.append(f"| `{kind}` | {text} | `unison/{rel}:{line}` |")
         parts.append("")
     return "\n".join(parts)

@@ -47,7 +47,11 @@ def test_block_runs(block, tmp_path):
         cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", str(script)]
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     elif block.how == "bash":
-        proc = subprocess.run(["bash", "-e", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        proc = subprocess.run(
+            ["bash", "-e", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env
+        )
     else:
-        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env
+        )
     assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -1,0 +1,44 @@
+"""The API reference page lists every public name, and the manual's structure holds together."""
+
+import os
+import re
+
+import unison
+import unison.algorithms
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_api_reference_lists_every_public_name():
+    listed = set(re.findall(r"^::: ([\w.]+)", read("docs/api.md"), flags=re.M))
+    wanted = {f"unison.{n}" for n in unison.__all__} | {f"unison.algorithms.{n}" for n in unison.algorithms.__all__}
+    missing = sorted(wanted - listed)
+    assert not missing, f"add to docs/api.md: {', '.join('::: ' + m for m in missing)}"
+
+
+def test_api_reference_lists_every_algorithm():
+    listed = set(re.findall(r"^::: ([\w.]+)", read("docs/api.md"), flags=re.M))
+    for name in unison.algorithms.names():
+        cls = unison.algorithms.get(name)
+        assert f"{cls.__module__}.{cls.__qualname__}" in listed, f"algorithm {name} is not in docs/api.md"
+
+
+def test_every_page_is_in_the_site_navigation():
+    nav = read("mkdocs.yml")
+    pages = [f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    assert pages and not [p for p in pages if f": {p}" not in nav], "add the page to nav in mkdocs.yml"
+
+
+def test_readme_is_short_and_stays_inside_the_repository():
+    text = read("README.md")
+    assert len(text.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+        if "://" in target:
+            continue
+        assert not target.startswith(".."), target
+        assert os.path.exists(os.path.join(ROOT, target)), f"README.md links to {target}, which does not exist"
