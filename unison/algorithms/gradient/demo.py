@@ -5,7 +5,9 @@ each chunk of it, sends the top-k coefficients of each chunk and removes them fr
 rest stays, as error feedback does). The ranks all-gather the fixed-size messages
 (``engine.dct``), each decodes and averages them and takes the inverse DCT: that average (or
 its sign, ``sign=True``) is the gradient the user's optimizer sees. Bucket by bucket, so the
-exchange overlaps with backward. See docs/algorithms.md#demo.
+exchange overlaps with backward. ``hierarchical``: the node sums the gradients at full precision
+and each local rank keeps the momentum of its shard (whole chunks) of the node's mean; only its
+sparse message crosses nodes (``engine.hierarchy.TwoLevel``). See docs/algorithms.md#demo.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ...engine.buckets import Bucket
-from ...engine.comm import Waitable, start
+from ...engine.comm import Pending, Waitable, start
 from ...engine.comm import wait as comm_wait
 from ...engine.dct import Codec, codec, dct_matrix, message_bytes, transform_
+from ...engine.hierarchy import TwoLevel
 from ...engine.topk import BITS, BLOCK
 from ...replica import Replica
 from .. import options
@@ -91,18 +94,25 @@ class DemoState(State):
     """The rank's momenta (rank-local: saved as ``feedback``, the key ``unison.fault.RANK_LOCAL``
     names), each bucket's codec and message buffers, and the shared work buffers."""
 
-    __slots__ = ("momenta", "codecs", "scratch", "target", "matrices")
+    __slots__ = ("momenta", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, levels: Optional[TwoLevel] = None) -> None:
         super().__init__()
         # internal state
         self.momenta = Momenta(chunk)
+        self.levels = levels  # hierarchical: the node layout and its rounds' thread
+        self.node_parts: dict[int, NodePart] = {}  # hierarchical, per bucket index: its shard and buffers
         # per bucket index: (its padded length, codec, this rank's message, every rank's [world, nbytes])
         self.codecs: dict[int, tuple[int, Codec, torch.Tensor, torch.Tensor]] = {}
         # work buffers shared by the buckets (used one at a time, on the main thread)
         self.scratch: Optional[torch.Tensor] = None  # a block of rows (transforms, magnitudes): 256 KiB
         self.target: Optional[torch.Tensor] = None  # the decoded average: the largest bucket's padded length
         self.matrices: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the DCT and its transpose
+
+    def close(self) -> None:
+        if self.levels is not None:
+            self.levels.close()
+            self.levels = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's momentum by parameter name (what it has not sent yet)."""
@@ -128,6 +138,9 @@ class Demo(Algorithm[DemoState]):
             False: the direction itself.
         bits: None sends float32 values; 2, 4 or 8 quantizes them with one float32 scale per
             chunk (``engine.topk``).
+        hierarchical: the node sums the gradients at full precision; each local rank keeps the
+            momentum of its shard (whole chunks) of the node's mean and all-gathers its message
+            with the same local rank of the other nodes; the node gathers the direction.
 
     A message is ``topk`` float32 values and uint8 indices per chunk (``bits=None``, chunk up to
     256): ``5 topk / (4 chunk)`` of the fp32 gradient's bytes (7.8% at the defaults); every rank
@@ -136,7 +149,8 @@ class Demo(Algorithm[DemoState]):
     send 4 to 32 of 4096) and ``bits`` cut the bytes; ``sign=True`` pairs with a small lr.
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
-    ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer.
+    ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer; hierarchical, a float32
+    buffer per bucket the node's rounds run in (+1 P).
 
     Example::
 
@@ -152,6 +166,7 @@ class Demo(Algorithm[DemoState]):
     topk: int = 4
     sign: bool = False
     bits: Optional[int] = None
+    hierarchical: bool = False
 
     def __post_init__(self) -> None:
         options.number("beta", self.beta, 0.0, open_low=False, high=1.0)
@@ -166,11 +181,15 @@ class Demo(Algorithm[DemoState]):
         options.boolean("sign", self.sign)
         if self.bits is not None:
             options.choice("bits", self.bits, BITS)
+        options.boolean("hierarchical", self.hierarchical)
         super().__post_init__()
 
     def setup(self, replica: Replica) -> DemoState:
         self.check_optimizers(replica)
-        return DemoState(self.chunk)
+        levels = None
+        if self.hierarchical and replica.distributed:
+            levels = TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
+        return DemoState(self.chunk, levels)
 
     def grad_scale(self, replica: Replica, state: DemoState, world_size: int) -> float:
         return 1.0  # the bucket holds this rank's own gradient: it goes into its momentum
@@ -184,6 +203,8 @@ class Demo(Algorithm[DemoState]):
         if not bucket.flat.is_floating_point():
             raise TypeError(f"demo needs floating-point gradients; bucket {bucket.index} holds {bucket.flat.dtype}")
         entry = state.momenta.get(bucket)
+        if state.levels is not None:
+            return self._reduce_nodes(state, bucket, entry)
         _, code, mine, everyone = self._codec(state, bucket, entry, world)
         d, dt = self._matrices(state, bucket.flat.device)
         scratch = self._scratch(state, entry.flat.device)
@@ -201,9 +222,66 @@ class Demo(Algorithm[DemoState]):
         return Gathered(work, self, state, bucket, entry, code, everyone)
 
     def bucket_wire_bytes(self, replica: Replica, state: DemoState, bucket: Bucket, world_size: int) -> int:
-        """This rank's message to every other rank (an all-gather)."""
+        """This rank's message to every other rank (an all-gather); hierarchical, both legs inside
+        the node and its shard's message to the other nodes."""
         padded = sum(-(-v.numel() // self.chunk) * self.chunk for v in bucket.views)
-        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.bits) if padded else 0
+        if not padded:
+            return 0
+        levels = state.levels
+        if levels is not None:
+            bounds = shard_bounds(padded, self.chunk, levels.local_size)
+            shard = levels.shard_numel(padded, bounds)
+            cross = (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.bits) if shard else 0
+            return 2 * levels.leg_bytes(padded, 4, bounds) + cross
+        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.bits)
+
+    def _reduce_nodes(self, state: DemoState, bucket: Bucket, entry: Entry) -> Waitable:
+        """Hierarchical: the bucket's gradients into its node buffer (in the momentum's layout), the
+        node's round on the levels' thread; ``wait()`` writes the direction into the bucket."""
+        levels = state.levels
+        assert levels is not None
+        n, device = entry.flat.numel(), entry.flat.device
+        scratch = self._scratch(state, device)
+        self._matrices(state, device)
+        part = state.node_parts.get(bucket.index)
+        if part is None or part.work.numel() != n:
+            part = state.node_parts[bucket.index] = NodePart(levels, n, self, device, scratch)
+        with torch.no_grad():
+            torch._foreach_copy_(entry.target_views(part.work), list(bucket.views))
+            if entry.pad is not None:
+                part.work.index_fill_(0, entry.pad, 0.0)  # left over from the last direction
+        pending = levels.submit(self._node_round, state, entry, part)
+        return NodeGathered(pending, bucket, entry, part)
+
+    def _node_round(self, state: DemoState, entry: Entry, part: "NodePart") -> None:
+        """On the levels' thread: the node's sum of this rank's shard, folded (as the node's mean) into
+        this rank's momentum of the shard, its DCT's top-k all-gathered across nodes, decoded in node
+        order, averaged and transformed back; every shard's direction gathered in the node."""
+        levels = state.levels
+        assert levels is not None and state.matrices is not None and state.scratch is not None
+        d, dt = state.matrices
+        work, (first, last) = part.work, levels.shard(part.bounds)
+        with torch.no_grad():
+            shard = levels.scatter(work, part.bounds)
+            code, message, everyone = part.codec, part.mine, part.everyone
+            if code is not None and message is not None and everyone is not None:
+                m = entry.flat[first:last]
+                rows = m.view(-1, self.chunk)
+                m.mul_(self.beta).add_(shard, alpha=1.0 / levels.local_size)
+                transform_(rows, dt, state.scratch)
+                code.encode(m, message)
+                transform_(rows, d, state.scratch)
+                if entry.pad is not None:
+                    entry.flat.index_fill_(0, entry.pad, 0.0)  # the padding holds no momentum
+                comm_wait(start(dist.all_gather, list(everyone.unbind(0)), message, group=levels.inter))
+                levels.inter_bytes += (levels.nodes - 1) * message.numel()
+                shard = work[first:last].zero_()
+                for received in everyone:  # in node order: the same bits on every node
+                    code.decode_add(received, shard, 1.0 / levels.nodes)
+                transform_(shard.view(-1, self.chunk), d, state.scratch)
+                if self.sign:
+                    shard.sign_()
+            levels.gather(work, shard, part.bounds)
 
     def _codec(
         self, state: DemoState, bucket: Bucket, entry: Entry, world: int
@@ -244,6 +322,48 @@ class Demo(Algorithm[DemoState]):
             if self.sign:
                 target.sign_()
             torch._foreach_copy_(list(bucket.views), entry.target_views(state.target))
+
+
+def shard_bounds(numel: int, chunk: int, parts: int) -> list[int]:
+    """``parts + 1`` offsets cutting ``numel`` values (whole chunks) into ``parts`` runs of whole chunks."""
+    chunks = numel // chunk
+    return [chunk * (chunks * k // parts) for k in range(parts + 1)]
+
+
+class NodePart:
+    """Hierarchical, one bucket: its momentum's layout cut between the local ranks at chunk
+    boundaries (``bounds``), the codec of this rank's shard (None when it is empty, as for the
+    same local rank on every node), its message and every node's, and the float32 buffer the
+    node's rounds run in (the bucket's gradients in, its direction out)."""
+
+    __slots__ = ("bounds", "codec", "mine", "everyone", "work")
+
+    def __init__(self, levels: TwoLevel, numel: int, algo: Demo, device: torch.device, scratch: torch.Tensor) -> None:
+        self.bounds = shard_bounds(numel, algo.chunk, levels.local_size)
+        start, end = levels.shard(self.bounds)
+        self.codec: Optional[Codec] = None
+        self.mine: Optional[torch.Tensor] = None
+        self.everyone: Optional[torch.Tensor] = None
+        if end > start:
+            self.codec = codec(end - start, algo.chunk, algo.topk, algo.bits, device, scratch)
+            self.mine, self.everyone = self.codec.empty(), self.codec.empty(levels.nodes)
+        self.work = torch.zeros(numel, dtype=torch.float32, device=device)
+
+
+class NodeGathered:
+    """A bucket's node round in flight; ``wait()`` writes the direction it gathered into the bucket."""
+
+    def __init__(self, pending: Pending, bucket: Bucket, entry: Entry, part: NodePart) -> None:
+        self._pending, self._bucket, self._entry, self._part = pending, bucket, entry, part
+
+    def wait(self) -> torch.Tensor:
+        self._pending.wait()
+        with torch.no_grad():
+            torch._foreach_copy_(list(self._bucket.views), self._entry.target_views(self._part.work))
+        return self._bucket.flat
+
+    def is_completed(self) -> bool:
+        return bool(self._pending.is_completed())
 
 
 class Gathered:
