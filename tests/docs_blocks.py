@@ -63,8 +63,14 @@ def documents() -> list[str]:
 
 
 def blocks(path: str) -> list[Block]:
+    """The code blocks of ``path``, relative to the repository root."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        lines = f.read().split("\n")
+        return parse(path, f.read())
+
+
+def parse(path: str, text: str) -> list[Block]:
+    """The code blocks of a Markdown ``text``; ``path`` names it in the blocks' ids and errors."""
+    lines = text.split("\n")
     out, i, last = [], 0, ""
     while i < len(lines):
         m = FENCE.match(lines[i])

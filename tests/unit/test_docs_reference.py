@@ -42,3 +42,44 @@ def test_readme_is_short_and_stays_inside_the_repository():
             continue
         assert not target.startswith(".."), target
         assert os.path.exists(os.path.join(ROOT, target)), f"README.md links to {target}, which does not exist"
+
+
+def test_code_block_markers():
+    from tests.docs_blocks import parse
+
+    text = "\n".join(
+        [
+            "```python",
+            "print(1)",
+            "```",
+            "<!-- excerpt -->",
+            "```python",
+            "model(x)",
+            "```",
+            "<!-- run: torchrun -->",
+            "",
+            "```python",
+            "import unison",
+            "```",
+            "- in a list:",
+            "",
+            "  ```text",
+            "  output",
+            "  ```",
+            '```python\n--8<-- "examples/quickstart.py"\n```',
+            "<!-- run: unison launch -->",
+            "~~~py",
+            "x = 1",
+            "~~~",
+        ]
+    )
+    got = [(b.line, b.how) for b in parse("page.md", text)]
+    assert got == [
+        (1, "python"),
+        (5, "excerpt"),
+        (10, "torchrun"),
+        (15, "unrunnable"),
+        (18, "example"),
+        (22, "unison launch"),
+    ]
+    assert parse("page.md", text)[3].code == "output\n"  # the list's indentation is taken off
