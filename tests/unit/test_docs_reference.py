@@ -83,3 +83,14 @@ def test_code_block_markers():
         (22, "unison launch"),
     ]
     assert parse("page.md", text)[3].code == "output\n"  # the list's indentation is taken off
+
+
+def test_every_result_is_in_the_benchmarks_page():
+    page = read("docs/benchmarks.md")
+    results = sorted(os.listdir(os.path.join(ROOT, "benchmarks", "results")))
+    missing = [name for name in results if name not in page]
+    assert not missing, f"docs/benchmarks.md names no command for {missing}: add a row to its table of figures"
+    docs = os.listdir(os.path.join(ROOT, "docs"))
+    assert not [f for f in docs if f.endswith((".json", ".png"))], (
+        "results go in benchmarks/results/, images in docs/img/"
+    )
