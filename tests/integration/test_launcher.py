@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -32,10 +32,11 @@ class Launcher:
     It starts as from a terminal, with Ctrl-C's default meaning (an ignored SIGINT is
     inherited across exec, and a library an earlier test loaded may have left it ignored)."""
 
-    def __init__(self, out: Path, *args: str, nproc: int = 2, script: Path = SCRIPT) -> None:
+    def __init__(self, out: Path, *args: str, nproc: Optional[int] = 2, script: Path = SCRIPT) -> None:
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", str(nproc), *args, str(script)]
+        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant"]
+        cmd += ([] if nproc is None else ["--nproc", str(nproc)]) + [*args, str(script)]
         cmd += ["--out", str(out), "--steps", "100000", "--sleep", "0.05"] if script == SCRIPT else [str(out)]
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:

@@ -6,7 +6,8 @@ exactly -1 in each of the first T places if every step was applied once (a
 doubled step shows -2, a lost one 0). Faults are injected by the victim itself:
 `--kill ID@STEP[:after]` SIGKILLs worker ID at that step (before its reduction,
 or after its optimizer step), `--stop ID@STEP` SIGSTOPs it, `--leave ID@STEP`
-leaves gracefully after that step. Each worker writes OUT/<id>.json.
+leaves gracefully after that step. Each worker writes OUT/<id>.json (with its node and its
+topology's local rank, local world size and node index at the end).
 
 For runs driven from outside (tests/integration/test_fault_chaos.py): every worker writes
 OUT/pid-<pid> (its worker id) before it joins, OUT/joined-<pid> (the membership it was admitted
@@ -173,6 +174,8 @@ def run(args) -> None:
         "admitted": m.epoch,
         "world": model.ft.world_size,
         "members": model.ft.members,
+        "node": m.node,
+        "topology": [unison.topology().local_rank, unison.topology().local_world_size, unison.topology().node],
         "events": [[e.time, e.kind, e.detail] for e in model.ft.events],
     }
     with open(os.path.join(args.out, f"{me}.json"), "w") as f:

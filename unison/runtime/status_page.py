@@ -92,7 +92,7 @@ STYLE = (
     "table{border-collapse:collapse;margin:.5em 0 1.5em}"
     "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;font-size:14px}"
     "th{background:#f3f3f3}.failure,.abort,.stop{color:#b00}.dead,.evicted{color:#b00}"
-    ".member{color:#070}code{background:#f3f3f3;padding:0 .3em}"
+    ".member{color:#070}.failed{color:#b00}code{background:#f3f3f3;padding:0 .3em}"
 )
 
 
@@ -113,8 +113,16 @@ def render(doc: dict[str, Any]) -> str:
         ("command", " ".join(job["command"]) or "(workers started elsewhere)"),
     ]
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in head)
+    nodes = "".join(
+        f"<tr class='{e(n['state'])}'><td>{n['id']}</td><td>{e(n['state'])}</td><td>{n['size']}</td>"
+        f"<td>{_text(n['host'])}</td><td>{e(str(n['workers']))}</td>"
+        f"<td>{e(str([r for r in n['ranks'] if r is not None]) if any(r is not None for r in n['ranks']) else '')}</td>"
+        f"<td>{_text(n['failure'])}</td></tr>"
+        for n in doc.get("nodes", [])
+    )
     workers = "".join(
-        f"<tr class='{e(w['state'])}'><td>{w['id']}</td><td>{_text(w['rank'])}</td><td>{_text(w['pid'])}</td>"
+        f"<tr class='{e(w['state'])}'><td>{w['id']}</td><td>{_text(w.get('node'))}</td><td>{_text(w.get('local_rank'))}</td>"
+        f"<td>{_text(w['rank'])}</td><td>{_text(w['pid'])}</td>"
         f"<td>{e(w['state'])}</td><td>{_age(w['last_heartbeat_s_ago'])}</td><td>{w['heartbeats']}</td>"
         f"<td>{_clock(w['started_at'], started)}</td><td>{_clock(w['joined_at'], started)}</td>"
         f"<td>{_clock(w['ended_at'], started)}</td><td>{_text(w['exit_code'])}</td></tr>"
@@ -129,7 +137,9 @@ def render(doc: dict[str, Any]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<meta http-equiv='refresh' content='{REFRESH_S}'><title>unison job: epoch {doc['epoch']}</title>"
         f"<style>{STYLE}</style></head><body><h1>unison job</h1><table>{rows}</table>"
-        "<h2>Workers</h2><table><tr><th>id</th><th>rank</th><th>pid</th><th>state</th>"
+        "<h2>Nodes</h2><table><tr><th>node</th><th>state</th><th>processes</th><th>host</th><th>workers</th>"
+        f"<th>ranks</th><th>failure</th></tr>{nodes}</table>"
+        "<h2>Workers</h2><table><tr><th>id</th><th>node</th><th>local rank</th><th>rank</th><th>pid</th><th>state</th>"
         "<th>last heartbeat</th><th>heartbeats</th><th>started</th><th>joined</th><th>ended</th>"
         f"<th>exit code</th></tr>{workers}</table>"
         f"<h2>Events (newest first)</h2><table><tr><th>time</th><th>kind</th><th>detail</th></tr>{events}</table>"
