@@ -5,9 +5,20 @@ values, one flat buffer as in a bucket): the fp16 and bf16 casts (there and
 back), bytegrad's 8-bit min-max encode and decode (``MinMax8``, one row per
 rank of a 2-rank group), and PowerSGD rank-4 compress (P = M Q, orthogonalize,
 Q = M^T P) and decompress with error feedback (M - P Q^T kept, P Q^T written)
-on the MLP's matrices. Throughput is float32 gradient bytes per second (the input of an
+on the MLP's matrices, and the low-bandwidth codecs at their defaults: sparseloco's
+chunk-wise top-k with 2-bit values (``engine.topk.TopK``: encode with error feedback,
+one message's decode-add) and demo's per-bucket work (the momentum, the DCT per chunk,
+the top-k, the inverse DCT of what is kept; a decode: one message added; the inverse DCT of the average).
+Throughput is float32 gradient bytes per second (the input of an
 encode, the output of a decode), the median of ``--reps`` repetitions, next to
 ``dst.copy_(src)`` of the same bytes measured in the same run.
+
+    flock /tmp/unison-tests.lock python benchmarks/bench_codecs.py --json benchmarks/results/frontier_codecs.json
+
+The ``frontier`` block sets the two against a training step of the bench's charlm
+(``--frontier-size``, default large: 10.7M parameters; forward, backward and AdamW, batch
+32 x 64 characters, one thread): demo encodes once and decodes ``W`` messages every step,
+sparseloco once per ``period`` steps (the cost per step is the sync's over 16).
 
     flock /tmp/unison-test.lock python benchmarks/bench_codecs.py --json
 
@@ -28,8 +39,11 @@ from typing import Callable
 import torch
 from common import WORKLOADS
 
+import unison
 from unison.algorithms.gradient import powersgd
+from unison.engine import dct
 from unison.engine.codecs import LowRank, MinMax8
+from unison.engine.topk import TopK
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_JSON = os.path.join(HERE, "results", "codecs.json")
@@ -87,6 +101,93 @@ def powersgd_cases(mats: list[torch.Tensor], rank: int) -> dict:
     }
 
 
+def sparseloco_cases(flat: torch.Tensor) -> dict:
+    """sparseloco's codec at its defaults: top-k of each chunk with 2-bit values, from an error
+    feedback that keeps the rest (encode), and one rank's message added into the global weights (decode)."""
+    algo = unison.algorithms.create("sparseloco")
+    codec = TopK(flat.numel(), algo.chunk, algo.density, algo.topk, algo.bits)
+    error = torch.zeros(codec.padded)
+    error[: flat.numel()].copy_(flat)
+    target = torch.zeros(codec.padded)
+    message = codec.encode(error.clone(), codec.empty())
+    return {
+        "sparseloco encode": (lambda: codec.encode(error, message), flat.numel()),
+        "sparseloco decode": (lambda: codec.decode_add(message, target, 0.25), flat.numel()),
+    }
+
+
+def demo_cases(flat: torch.Tensor) -> dict:
+    """demo's per-bucket work at its defaults (engine.dct): encode = ``m = beta m + g``, the DCT of
+    each chunk, the top-k taken out, the inverse DCT of the rest; decode = one message added into
+    the average (once per rank); inverse = the average's inverse DCT (once per bucket)."""
+    algo = unison.algorithms.create("demo")
+    n = -(-flat.numel() // algo.chunk) * algo.chunk
+    grad = torch.zeros(n)
+    grad[: flat.numel()].copy_(flat)
+    momentum, target = torch.zeros(n), torch.zeros(n)
+    d = dct.dct_matrix(algo.chunk)
+    dt = d.t().contiguous()
+    scratch = torch.empty(1 << 16)
+    codec = dct.codec(n, algo.chunk, algo.topk, algo.bits, torch.device("cpu"), scratch)
+    message = codec.empty()
+
+    def encode() -> None:
+        momentum.mul_(algo.beta).add_(grad)
+        rows = momentum.view(-1, algo.chunk)
+        dct.transform_(rows, dt, scratch)
+        codec.encode(momentum, message)
+        dct.transform_(rows, d, scratch)
+
+    return {
+        "demo encode": (encode, flat.numel()),
+        "demo decode": (lambda: codec.decode_add(message, target, 0.25), flat.numel()),
+        "demo inverse": (lambda: dct.transform_(target.view(-1, algo.chunk), d, scratch), flat.numel()),
+    }
+
+
+def charlm_step_seconds(size: str, reps: int) -> tuple[float, int]:
+    """Median seconds of one charlm training step (forward, backward, AdamW; batch 32 x 64) and its parameters."""
+    from unison.apps.workloads import charlm
+
+    net = charlm.build(0, 100, 64, **charlm.SIZES[size])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 100, (32, 64), generator=g), torch.randint(0, 100, (32, 64), generator=g)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        charlm.loss_fn(net(x), y).backward()
+        opt.step()
+
+    return median_seconds(step, max(3, reps // 2)), sum(p.numel() for p in net.parameters())
+
+
+def frontier(rows: list[dict], size: str, reps: int, world: int) -> dict:
+    """The low-bandwidth codecs' cost in a training step of charlm ``size`` on ``world`` ranks, from
+    their measured ms per MB: demo encodes once, decodes ``world`` messages and takes one inverse DCT
+    every step; sparseloco encodes once and decodes ``world`` messages once per sync (period 16)."""
+    step_s, params = charlm_step_seconds(size, reps)
+    mb = params * 4 / 1e6
+    per_mb = {r["codec"]: r["ms"] / (r["bytes"] / 1e6) for r in rows}
+    period = unison.algorithms.create("sparseloco").period
+    demo_ms = mb * (per_mb["demo encode"] + world * per_mb["demo decode"] + per_mb["demo inverse"])
+    sync_ms = mb * (per_mb["sparseloco encode"] + world * per_mb["sparseloco decode"])
+    step_ms = step_s * 1e3
+    return {
+        "model": f"charlm {size}",
+        "params": params,
+        "world": world,
+        "step_ms": step_ms,
+        "ms_per_mb": {k: v for k, v in per_mb.items() if k.startswith(("demo", "sparseloco"))},
+        "demo_ms_per_step": demo_ms,
+        "demo_share_of_step": demo_ms / step_ms,
+        "sparseloco_ms_per_sync": sync_ms,
+        "sparseloco_period": period,
+        "sparseloco_share_of_step": sync_ms / period / step_ms,
+        "sparseloco_sync_vs_step": sync_ms / step_ms,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="mlp", choices=sorted(WORKLOADS))
@@ -94,6 +195,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     parser.add_argument("--rows", type=int, default=2, help="MinMax8 rows (ranks of the group)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="MinMax8 values per chunk")
+    parser.add_argument("--frontier-size", default="large", help="charlm size the codecs are set against")
+    parser.add_argument("--world", type=int, default=4, help="ranks whose messages each rank decodes (frontier)")
     parser.add_argument(
         "--json",
         nargs="?",
@@ -115,7 +218,13 @@ def main() -> None:
         offset += p.numel()
     mats = [v.reshape(v.shape[0], -1) for v in views if powersgd.is_compressible(v.shape, args.rank, 2.0)]
 
-    cases = {**cast_cases(flat), **minmax_cases(flat, args.rows, args.chunk_size), **powersgd_cases(mats, args.rank)}
+    cases = {
+        **cast_cases(flat),
+        **minmax_cases(flat, args.rows, args.chunk_size),
+        **powersgd_cases(mats, args.rank),
+        **sparseloco_cases(flat),
+        **demo_cases(flat),
+    }
     rows = []
     for name, (fn, count) in cases.items():
         src, dst = torch.randn(count), torch.empty(count)
@@ -139,6 +248,13 @@ def main() -> None:
         print(
             f"{r['codec']:<24} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} {r['gbps']:7.2f} {r['copy_gbps']:10.2f} {r['vs_copy']:7.2f}"
         )
+    front = frontier(rows, args.frontier_size, args.reps, args.world)
+    print(
+        f"{front['model']} ({front['params']:,} parameters), one step {front['step_ms']:.0f} ms on one thread: "
+        f"demo's codec {front['demo_ms_per_step']:.0f} ms a step ({front['demo_share_of_step']:.1%}), "
+        f"sparseloco's {front['sparseloco_ms_per_sync']:.0f} ms a sync "
+        f"({front['sparseloco_share_of_step']:.2%} of a step at period {front['sparseloco_period']}), {args.world} ranks"
+    )
     if args.json:
         meta = {
             "torch": torch.__version__,
@@ -151,7 +267,7 @@ def main() -> None:
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "frontier": front}, f, indent=1)
         print(f"wrote {args.json}")
 
 

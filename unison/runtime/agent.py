@@ -25,10 +25,13 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-from .coordinator import STOP_GRACE_S, STOP_SIGNALS, TICK_S, WATCH_WAIT, node_env
+from .coordinator import STOP_GRACE_S, STOP_SIGNALS, TICK_S, node_env
 from .member import post
 
 logger = logging.getLogger("unison.launch")
+
+#: Seconds between two looks at the coordinator's keys for this node.
+LOOK_S = 0.2
 
 
 class Agent:
@@ -70,38 +73,20 @@ class Agent:
         self.hurry = False
         self.respawns = 0
         self.first_code: Optional[int] = None  # the exit code of the process whose failure took the node out
-        threading.Thread(target=self._wait_abort, name="unison-agent-abort", daemon=True).start()
 
-    # ---- waiting on the coordinator's keys ----------------------------------------------------
-    def _client(self) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30))
-
-    def _wait_abort(self) -> None:
-        client = self._client()
-        while True:
-            try:
-                client.wait(["ft/abort"], WATCH_WAIT)
-                self.aborted = client.get("ft/abort").decode()
-                return
-            except dist.DistStoreError:
-                continue
-            except Exception as exc:  # the coordinator is gone
-                self.aborted = f"the coordinator cannot be reached [{exc}]"
-                return
-
-    def _wait_failed(self, node: int) -> None:
-        client = self._client()
-        key = f"ft/node/{node}/failed"
-        while self.node == node:
-            try:
-                client.wait([key], WATCH_WAIT)
-                if self.node == node:
-                    self.failed = client.get(key).decode()
-                return
-            except dist.DistStoreError:
-                continue
-            except Exception:
-                return
+    # ---- the coordinator's keys ------------------------------------------------------------------
+    def _look(self) -> None:
+        """Look for ``ft/abort`` and ``ft/node/<n>/failed`` (two ``check``s every ``LOOK_S``). Not a
+        blocking wait as the workers' and the coordinator's: a thread blocked in a store's wait when
+        the agent exits, its coordinator still up, aborts the agent's exit (std::terminate)."""
+        try:
+            if self.store.check(["ft/abort"]):
+                self.aborted = self.store.get("ft/abort").decode()
+            key = f"ft/node/{self.node}/failed"
+            if self.node is not None and self.store.check([key]):
+                self.failed = self.store.get(key).decode()
+        except Exception as exc:  # the coordinator is gone
+            self.aborted = f"the coordinator cannot be reached [{exc}]"
 
     # ---- the node's processes -------------------------------------------------------------------
     def start_node(self) -> None:
@@ -120,7 +105,6 @@ class Agent:
                 **node_env(node, local_rank, self.size),
             )
             self.workers[wid] = subprocess.Popen(self.command, env=env, start_new_session=True)
-        threading.Thread(target=self._wait_failed, args=(node,), name="unison-agent-node", daemon=True).start()
         logger.info("node %d: worker(s) %s started", node, list(self.workers))
 
     def _signal(self, sig: int) -> None:
@@ -160,7 +144,11 @@ class Agent:
         ``"failed"`` (a process failed, or the coordinator took the node out: all stopped),
         ``"aborted"`` or ``"stopped"``."""
         reported: set[int] = set()
+        looked = 0.0
         while True:
+            if time.monotonic() - looked >= LOOK_S:
+                looked = time.monotonic()
+                self._look()
             if self.stop_signal is not None:
                 return "stopped"
             if self.aborted is not None:
