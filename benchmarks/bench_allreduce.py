@@ -6,7 +6,7 @@ machine load. Peak memory is measured separately, one fresh pair of processes
 per contender (the peak resident set size of rank 0).
 
     python benchmarks/bench_allreduce.py                 # loopback
-    ip netns exec lonet python benchmarks/bench_allreduce.py   # a slow link (see ../shared/tools/slow-loopback.sh)
+    ip netns exec lonet python benchmarks/bench_allreduce.py   # a slow link (docs/benchmarks.md: "The slow links")
 
 Prints a table and writes benchmarks/results/allreduce.json (or --json PATH).
 """

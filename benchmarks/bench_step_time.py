@@ -33,7 +33,8 @@ The ranks pretend to be ``--nodes`` nodes (default 2) so DASO syncs across them.
 
 Over a ~1 Gbit/s link (the issue's setting)::
 
-    bash ../shared/tools/slow-loopback.sh 2gbit
+    ip netns add lonet && ip -n lonet link set lo up     # docs/benchmarks.md: "The slow links"
+    tc -n lonet qdisc replace dev lo root tbf rate 2gbit burst 256kb latency 50ms
     ip netns exec lonet python benchmarks/bench_step_time.py            # about 10 minutes
     ip netns exec lonet python benchmarks/bench_step_time.py --contenders compute,ddp,diloco --rounds 3
 

@@ -7,8 +7,8 @@ of its scheme written as a formula of M and P (docs/algorithms.md#hierarchical-r
 what one process per node would send with the algorithm's own cross-node scheme.
 
     unison bench --workload digits --bandwidth 100mbit --nodes 2 --procs-per-node 2 \\
-        --json docs/bench-digits-100mbit-2x2.json
-    python benchmarks/hierarchy_bytes.py docs/bench-digits-100mbit-2x2.json \
+        --json benchmarks/results/bench-digits-100mbit-2x2.json
+    python benchmarks/hierarchy_bytes.py benchmarks/results/bench-digits-100mbit-2x2.json \
         --out benchmarks/results/hierarchy_bytes.json
 
 The optimum assumes every option at its default (period 16, PowerSGD rank 4 after 10

@@ -138,6 +138,9 @@ class FaultPolicy(Protocol):
     def start(self) -> None:
         """After construction: the first agreement (a joiner takes the members' state)."""
 
+    def refuse(self, algorithm: Any) -> None:
+        """Raise ValueError if ``algorithm`` cannot run under this policy (at construction, at a switch)."""
+
     def check(self) -> None:
         """Before a forward: raise if the job cannot go on."""
 
@@ -159,6 +162,9 @@ class NoFaultTolerance:
     active = False
 
     def start(self) -> None:
+        pass
+
+    def refuse(self, algorithm: Any) -> None:
         pass
 
     def check(self) -> None:
@@ -222,6 +228,8 @@ class Core:
         # Engines left behind by a membership change: their work may still write into their buffers.
         self.abandoned: list[GradReducer] = []
         self.fault: FaultPolicy = NoFaultTolerance()
+        #: Keep the saved local gradients fault tolerance redoes a round from on the host (``ft_offload``).
+        self.saved_on_host = False
 
     # ---- the wrapper's calls ------------------------------------------------------------
     @contextmanager
@@ -256,9 +264,10 @@ class Core:
 
     def refuse_unsupported(self, algorithm: Algorithm[Any]) -> None:
         """Raise ValueError if ``algorithm`` cannot train this model (sparse gradients it cannot
-        reduce): before it starts, or before ``switch_to`` stops the running one. The model is
-        the same on every rank, so every rank raises."""
+        reduce) or cannot run under its fault policy (no ``Recovery``): before it starts, or before
+        ``switch_to`` stops the running one. The model is the same on every rank, so every rank raises."""
         sparse_positions(algorithm, self.replica.trainable, self.replica.modules)
+        self.fault.refuse(algorithm)
 
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""
@@ -354,6 +363,7 @@ class Core:
             bucket_cap_bytes=int(self.bucket_cap_mb * MB),
             tag=self.tag,
             recover=self._recover_gradients if self.fault.active else None,
+            local_on_host=self.saved_on_host,
             sparse=sparse,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,

@@ -41,21 +41,6 @@ from .runtime.member import Member, MembershipChanged
 
 logger = logging.getLogger("unison.ft")
 
-#: Algorithms that run with ``fault_tolerant=True`` (the others are refused at construction).
-SUPPORTED = (
-    "allreduce",
-    "fp16",
-    "bf16",
-    "bytegrad",
-    "powersgd",
-    "qadam",
-    "local_sgd",
-    "decentralized",
-    "low_precision_decentralized",
-    "async",
-    "diloco",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Event:
@@ -79,21 +64,29 @@ class Guarded(Protocol):
         """The default process group was built again: start the algorithm on it."""
 
 
+def supported() -> list[str]:
+    """The algorithms that run with ``fault_tolerant=True``: those that declare a ``Recovery``."""
+    return [name for name in algos.names() if algos.get(name).recovery is not None]
+
+
 def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) -> None:
-    """Refuse, at construction, what fault tolerance cannot guard."""
+    """Refuse, at construction, what fault tolerance cannot guard: an algorithm that declares no
+    ``Recovery``, or a process group that is not the whole job (its membership changes: only the
+    group of every member can be built again over a new membership)."""
     if process_group is not None:
+        outside = process_group is dist.GroupMember.NON_GROUP_MEMBER
+        size = 0 if outside else dist.get_world_size(process_group)
+        if size != dist.get_world_size():
+            raise ValueError(
+                "fault_tolerant=True was given a process_group that is not the job's whole group ("
+                + ("this process is not in it" if outside else f"{size} of the job's {dist.get_world_size()} processes")
+                + "); under fault tolerance the replicas are the job's members, whose membership changes: leave "
+                "process_group unset, or pass the whole job's group (dist.group.WORLD)"
+            )
+    if algorithm.recovery is None:
         raise ValueError(
-            "fault_tolerant=True trains over the whole job (its membership changes): leave process_group unset"
-        )
-    if algorithm.name not in SUPPORTED:
-        raise ValueError(
-            f"fault_tolerant=True does not support algorithm {algorithm.name!r} yet; it supports "
-            f"{', '.join(SUPPORTED)} (docs/fault-tolerance.md says why)"
-        )
-    if getattr(algorithm, "hierarchical", False):
-        raise ValueError(
-            "fault_tolerant=True cannot run a hierarchical algorithm: its failure domain is a node, "
-            "and a membership is a set of processes; use the flat variant"
+            f"fault_tolerant=True does not support algorithm {algorithm.name!r}: it declares no Recovery (what a "
+            f"failure needs of it; unison.algorithms.Recovery). It supports {', '.join(supported())}"
         )
 
 
@@ -119,14 +112,11 @@ def joining_member(
 #: Set in the coordinator's store once the job has a state (its first settle is done).
 STATE_KEY = "ft/state"
 
-#: The entries of an algorithm's state that belong to one worker: error-feedback residuals.
-RANK_LOCAL = ("residuals", "feedback")
 
-
-def rank_local(state: dict[str, Any], own: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """``state`` (a peer's) with its rank-local entries replaced: by ``own``'s, or zeros without it."""
+def rank_local(state: dict[str, Any], own: Optional[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``state`` (a peer's) with its rank-local entries ``keys`` replaced: by ``own``'s, or zeros without it."""
     out = dict(state)
-    for key in RANK_LOCAL:
+    for key in keys:
         if key in out:
             out[key] = own[key] if own is not None and key in own else _zeros(out[key])
     return out
@@ -283,6 +273,10 @@ class FaultTolerance:
             if callable(getattr(obj, "reshard", None)):
                 obj.reshard(self.rank, self.world_size)
 
+    def refuse(self, algorithm: Any) -> None:
+        """Raise ValueError if ``algorithm`` declares no ``Recovery`` (``switch_to`` asks before it stops the running one)."""
+        check_supported(algorithm, None)
+
     def leave(self) -> None:
         """Leave the job gracefully after this step: the others go on without this worker."""
         self._member.leave()
@@ -427,7 +421,7 @@ class FaultTolerance:
             self.note("heal_recv", f"from rank(s) {sources} at step {top[0]} in {time.time() - started:.3f} s")
         if rank not in behind and behind:
             own = model.core.algorithm_entry()
-            if own is not None and getattr(model.core.algorithm, "loads_everywhere", False):
+            if own is not None and recovery(model).reload_after_heal:
                 # Its own state again, so whatever a load changes in the next round's protocol
                 # (low-precision decentralized resends its public copies in full) changes on every member.
                 model.core.load_algorithm_entry(own, strict=False, what="model")
@@ -439,7 +433,7 @@ class FaultTolerance:
         elif rank in plan.overtaken:
             self._drop_pending(model)
             self.note("drop", f"its gradient round of step {top[0]}: the others had finished it, the heal applied it")
-        elif kind == "drop" and getattr(model.core.algorithm, "redoes_syncs", False):
+        elif kind == "drop" and recovery(model).relaunches:
             self.note("redo", f"the interrupted sync after step {self.step}, at the next step")
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
@@ -489,7 +483,8 @@ class FaultTolerance:
         entry = payload["algorithm"]
         if entry is not None:
             own = None if fresh else model.core.algorithm_entry()
-            entry = {**entry, "state": rank_local(entry["state"], own["state"] if own else None)}
+            keys = recovery(model).rank_local
+            entry = {**entry, "state": rank_local(entry["state"], own["state"] if own else None, keys)}
             model.core.load_algorithm_entry(entry, strict=False, what="model")
         for name, state in payload["attached"].items():
             if name in self._attached:
@@ -512,7 +507,7 @@ class FaultTolerance:
         reducer = model.core.reducer
         params = [p for _, p in model.core.replica.trainable]
         for i, p in enumerate(params):
-            p.grad = None if local is None or i not in local else local[i].clone()
+            p.grad = None if local is None or i not in local else local[i].to(p.device, copy=True)
         if reducer is not None:
             reducer.set_divisor(contributors)
             try:
@@ -525,3 +520,11 @@ class FaultTolerance:
             for p in params:
                 p.grad = None
             self._swallow = swallow
+
+
+def recovery(model: Guarded) -> algos.Recovery:
+    """The running algorithm's ``Recovery`` (checked at construction and at every switch)."""
+    declared = model.core.algorithm.recovery
+    if declared is None:  # unreachable: check_supported refused it
+        raise RuntimeError(f"algorithm {model.core.algorithm.name!r} declares no Recovery")
+    return declared

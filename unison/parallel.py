@@ -86,6 +86,11 @@ class DataParallel(nn.Module):
             --fault-tolerant``; needs ``optimizer``). ``model.ft`` then gives
             the committed ``step``, the ``members`` and the ``events``; see
             docs/fault-tolerance.md. Without it, ``model.ft`` is None.
+        ft_offload: with ``fault_tolerant=True``, keep the one copy fault
+            tolerance adds (each member's local gradients of the round in
+            flight, to redo it after a failure) in host memory, pinned under
+            CUDA, rather than on the parameters' device (default False; the
+            same values, one device copy less, a device-to-host copy per step).
         **ddp_kwargs: torch DDP's other keywords, with torch's meaning
             (``unison.ddp_keywords``): ``device_ids`` (one GPU; inputs are moved
             there), ``output_device``, ``dim``, ``init_sync`` (False: no initial
@@ -145,6 +150,7 @@ class DataParallel(nn.Module):
         nonfinite: Optional[str] = None,
         debug: Optional[bool] = None,
         fault_tolerant: bool = False,
+        ft_offload: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -158,6 +164,10 @@ class DataParallel(nn.Module):
         # Checks that may differ between ranks are agreed on before any other collective.
         with _raised_everywhere(self.process_group if worker is None else None):
             torch_keywords = ddp_keywords.parse(ddp_kwargs, stacklevel=3)
+            if ft_offload and not fault_tolerant:
+                raise ValueError(
+                    "ft_offload=True keeps fault tolerance's saved gradients on the host: it needs fault_tolerant=True"
+                )
             _refuse_positional_device_ids(optimizer)
             bucket_cap_mb = check_bucket_cap(25 if bucket_cap_mb is None else bucket_cap_mb)
             if nonfinite not in nonfinite_.MODES:
@@ -224,6 +234,7 @@ class DataParallel(nn.Module):
         self._join_hook = CoreJoinHook(self._core, module, weak(self._shadow_step))
         if worker is not None:
             self._core.fault = FaultTolerance(self, worker)
+            self._core.saved_on_host = ft_offload
         if self.process_group is not None and not self._core.fault.active:
             with self._core.entry("building DataParallel"):
                 self._construct_collectives(named)

@@ -201,7 +201,8 @@ def test_agents_restart_their_node_and_leave_no_orphans(tmp_path):
             time.sleep(0.1)
         a_workers = healed()
         b_workers = [pid for pid in node_of if _parent(pid) == b.proc.pid]
-        assert len(a_workers) == 2 and len(b_workers) == 2
+        logs = "\n".join(["coordinator:", *boss.lines[-20:], "agent A:", *a.lines[-10:], "agent B:", *b.lines[-10:]])
+        assert len(a_workers) == 2 and len(b_workers) == 2, logs
 
         a.proc.kill()  # SIGKILL: the agent cannot stop its workers
         a.proc.wait()

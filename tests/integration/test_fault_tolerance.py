@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.fault import SUPPORTED
+from unison.fault import supported
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_ledger.py"
 LIMIT_S = 60
@@ -48,7 +48,7 @@ def kinds(result: dict) -> list[str]:
     return [kind for _, kind, _ in result["events"]]
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "fp16", "bf16", "bytegrad"])
+@pytest.mark.parametrize("algorithm", ["allreduce", "fp16", "bf16", "bytegrad", "bf16:hierarchical=True"])
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_killed_rank_leaves_every_step_applied_exactly_once(tmp_path, algorithm, when):
     code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", f"1@10:{when}")
@@ -93,6 +93,8 @@ def test_a_kill_equals_a_graceful_leave_bitwise(tmp_path):
         "low_precision_decentralized",
         "async",
         "diloco",
+        "diloco:hierarchical=True",
+        "daso",
     ],
 )
 def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
@@ -275,6 +277,31 @@ def test_when_the_coordinator_dies_every_worker_raises_rank_failure(tmp_path):
         assert failure["time"] - killed_at < 2.0
 
 
+def test_the_job_s_own_group_may_be_passed_and_a_smaller_one_is_refused(tmp_path):
+    # DDP code passing process_group=dist.group.WORLD: the job's group, built again at each regroup.
+    code, err, found = launch(tmp_path / "world", "--group", "world", "--kill", "1@10")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 2] and all(r["w"] == [-1.0] * 40 for r in found.values())
+    # A group of some of the members cannot follow a membership that changes: refused on every rank.
+    code, err, found = launch(tmp_path / "two", "--group", "first-two", steps=4)
+    assert code != 0 and not found
+    assert err.count("was given a process_group that is not the job's whole group (2 of the job's 3") == 2, err[-3000:]
+    assert err.count("process_group that is not the job's whole group (this process is not in it)") == 1
+
+
+def test_an_algorithm_without_recovery_is_refused_at_construction_and_at_a_switch(tmp_path):
+    refused = "fault_tolerant=True does not support algorithm 'nonblocking'"
+    code, err, found = launch(tmp_path / "built", "--algorithm", "nonblocking", steps=4)
+    assert code != 0 and not found
+    assert err.count(refused) == 3, err[-3000:]
+    code, err, found = launch(tmp_path / "switched", "--switch-to", "nonblocking@3", steps=6)
+    assert code != 0 and not found
+    assert err.count(refused) == 3, err[-3000:]
+    assert "switch_to" in err  # raised by the switch, before the running algorithm stopped
+    for name in supported():
+        assert unison.algorithms.get(name).recovery is not None
+
+
 def test_fault_tolerant_needs_the_launcher_and_a_supported_algorithm():
     import torch
 
@@ -282,7 +309,7 @@ def test_fault_tolerant_needs_the_launcher_and_a_supported_algorithm():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="unison launch --fault-tolerant"):
         unison.DataParallel(net, optimizer=opt, fault_tolerant=True)
-    assert "daso" not in SUPPORTED and "nonblocking" not in SUPPORTED
+    assert "demo" not in supported() and "allreduce" in supported()
 
 
 SAMPLER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_sampler.py"

@@ -12,7 +12,12 @@ A spec ending in ``+8bit`` (qadam) gives its optimizer a 4-step warm-up, so the 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import launch
 import pytest
@@ -192,3 +197,34 @@ def test_offload_gives_the_same_results():
     results = launch.run(offloaded_equal, 2, specs, timeout=300)
     for rank_result in results:
         assert all(rank_result.values()), rank_result
+
+
+# Fault tolerance adds one copy to a gradient algorithm, the local gradients of the round in flight
+# (to redo it from after a failure), and none to one that averages no gradients. With ft_offload
+# that copy is kept on the host: on CPU training the same bytes, the same weights.
+FT_BUDGET = {
+    "allreduce": 1.1,
+    "allreduce+offload": 1.1,
+    "bytegrad:error_feedback=True": 2.12,
+    "diloco:period=4": 2.1,
+    "local_sgd:period=4": 0.1,  # its buckets are let go once it stops averaging gradients: nothing saved
+}
+
+
+def test_fault_tolerance_keeps_one_copy_of_the_gradients_at_most(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ft_memory.py"
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", "--no-status"]
+    done = subprocess.run(
+        [*cmd, str(script), str(tmp_path), *FT_BUDGET],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for path in tmp_path.glob("*.json"):
+        found = json.loads(path.read_text())
+        for spec, budget in FT_BUDGET.items():
+            assert found["overheads"][spec] <= budget, f"{spec} under fault tolerance keeps {found['overheads']} P"
+        assert found["overheads"]["allreduce"] >= 0.9  # the saved gradients are there: the budget measures them
+        assert found["same_as_on_device"] == {"allreduce+offload": True}

@@ -17,6 +17,8 @@ payload big; its checksum is in the result); `--origin` adds a frozen parameter 
 membership epoch that created the model (1; a joiner's own is its admission epoch until healed),
 so a job that silently started over from a joiner's fresh state shows; `--hurry-file PATH` drops
 the sleep once PATH exists (steps stay fixed, so every member stops at the same committed step).
+`--switch-to NAME@STEP` switches the algorithm before that step. `--group world` passes the job's
+group as process_group (`first-two`: a group of ranks 0 and 1).
 `--slow-heal S` makes a healed worker pause S seconds after each piece of its heal it receives,
 so a test can catch the payload on the wire and act while it is there (the heal goes in 4 MiB
 pieces and would otherwise end between two looks on a loaded machine).
@@ -76,6 +78,8 @@ def main() -> None:
     p.add_argument("--pad-mb", type=float, default=0.0, help="a frozen parameter of this many MiB (a big heal)")
     p.add_argument("--origin", action="store_true", help="a frozen parameter: the epoch that created the state")
     p.add_argument("--hurry-file", default=None, help="once this file exists, steps no longer sleep")
+    p.add_argument("--switch-to", default=None, help="NAME@STEP: model.switch_to(NAME) before step STEP")
+    p.add_argument("--group", choices=["world", "first-two"], default=None, help="pass this process_group")
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     args = p.parse_args()
     try:
@@ -128,7 +132,12 @@ def run(args) -> None:
         opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=1.0)
-    model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True)
+    group = None
+    if args.group == "world":
+        group = torch.distributed.group.WORLD
+    elif args.group == "first-two":
+        group = torch.distributed.new_group([0, 1])
+    model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True, process_group=group)
     mark(args, "ready", str(model.ft.step))
     me = model.ft.worker_id
     kills = [at(k) for k in args.kill]
@@ -146,6 +155,8 @@ def run(args) -> None:
                 with open(os.path.join(args.out, "stopped"), "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
+        if args.switch_to and int(args.switch_to.rpartition("@")[2]) == s:
+            model.switch_to(args.switch_to.rpartition("@")[0])
         if args.hurry_file is None or not os.path.exists(args.hurry_file):
             time.sleep(args.sleep)
         opt.zero_grad()

@@ -14,11 +14,12 @@ def test_a_fresh_worker_starts_its_error_feedback_at_zero_and_a_member_keeps_its
         "residuals": {"w": torch.full((2,), 3.0)},
         "feedback": {0: torch.ones(1)},
     }
-    fresh = rank_local(peer, None)
+    keys = ("residuals", "feedback")  # what an algorithm's Recovery names rank-local
+    fresh = rank_local(peer, None, keys)
     assert fresh["steps"] == 7 and torch.equal(fresh["qs"]["w"], torch.ones(2))  # shared: the peer's
     assert torch.equal(fresh["residuals"]["w"], torch.zeros(2)) and torch.equal(fresh["feedback"][0], torch.zeros(1))
     own = {"residuals": {"w": torch.full((2,), -1.0)}}
-    member = rank_local(peer, own)
+    member = rank_local(peer, own, keys)
     assert torch.equal(member["residuals"]["w"], torch.full((2,), -1.0)) and torch.equal(
         member["feedback"][0], torch.zeros(1)
     )

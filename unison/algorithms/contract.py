@@ -30,7 +30,51 @@ if sys.version_info >= (3, 11):
 else:  # torch installs typing_extensions
     from typing_extensions import dataclass_transform
 
-__all__ = ["Algorithm", "State", "ThreadedState", "open_thread"]
+__all__ = ["Algorithm", "Recovery", "State", "ThreadedState", "open_thread"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What fault tolerance (``DataParallel(fault_tolerant=True)``, ``unison.fault``) needs of an
+    algorithm: declared on its class as ``recovery``. An algorithm that declares none is refused
+    under fault tolerance at construction.
+
+    A joiner, and every member behind the most advanced one, receives the model, the optimizers
+    and the algorithm's state (``state_dict``) from that member: everything is shared but the
+    entries named ``rank_local``. A gradient round a failure interrupted is always done again on
+    the new membership from each member's saved local gradient; ``interrupted`` says what becomes
+    of a sync of the algorithm's own (an average, an outer step).
+
+    Attributes:
+        rank_local: the entries of the state's ``state_dict`` that belong to one worker (error
+            feedback): a healed member keeps its own, a joiner starts them at zero.
+        interrupted: ``"drop"``: an interrupted sync only pulled drifting replicas together, the
+            next one does it (local SGD, gossip); ``"relaunch"``: its result is state every replica
+            shares (DiLoCo's outer step), so it is launched again on the new membership at the
+            next step.
+        reload_after_heal: after a heal every member loads its own state again, so that what a
+            load changes in the next round (low-precision decentralized resends its copies in
+            full) changes on every member alike.
+
+    Example::
+
+        class MyAverage(Algorithm[MyState]):
+            name = "my_average"
+            recovery = Recovery(rank_local=("feedback",), interrupted="drop")
+    """
+
+    rank_local: tuple[str, ...] = ()
+    interrupted: str = "drop"
+    reload_after_heal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.interrupted not in ("drop", "relaunch"):
+            raise ValueError(f"Recovery(interrupted={self.interrupted!r}): choose 'drop' or 'relaunch'")
+
+    @property
+    def relaunches(self) -> bool:
+        """Whether an interrupted sync is launched again (its result is shared state)."""
+        return self.interrupted == "relaunch"
 
 
 S = TypeVar("S", bound=Optional[State])
@@ -91,6 +135,8 @@ class Algorithm(Generic[S]):
     #: An algorithm that alternates (DASO's skipped batches) keeps them, rather than make them anew
     #: at every synchronized batch.
     stops_gradient_sync: ClassVar[bool] = False
+    #: What fault tolerance needs of it (``Recovery``); None: refused under ``fault_tolerant=True``.
+    recovery: ClassVar[Optional[Recovery]] = None
 
     #: Options declared the earlier way (``period = options.Int(16)``), with their checks.
     legacy_options: ClassVar[dict[str, checks.Option]] = {}

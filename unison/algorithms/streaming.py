@@ -233,7 +233,7 @@ class StreamedState(CountedState):
 
     @property
     def shared_rounds(self) -> int:
-        """Syncs merged so far where they are shared state (``redoes_syncs``): fault tolerance
+        """Syncs merged so far where they are shared state (``Recovery.relaunches``): fault tolerance
         heals a member that merged fewer than another."""
         return self.streams.merged if self.streams and self.streams.redo else 0
 
@@ -304,10 +304,6 @@ class Streamed(Algorithm[T]):
         """The schedule the options ask for (defaults filled in)."""
         return default_schedule(self.period, self.fragments, self.delay)
 
-    #: Whether a sync abandoned by a membership change is launched again (its result is state
-    #: every replica must share: DiLoCo's outer step) or dropped (an average of drifting replicas).
-    redoes_syncs = False
-
     def stream(self, replica: Replica, state: T, fragments: int) -> None:
         """Sync ``fragments`` fragments of ``state`` on the schedule, through ``launch`` and ``merge``."""
         stagger = Stagger(self.period, fragments, self.schedule().delay)
@@ -315,7 +311,7 @@ class Streamed(Algorithm[T]):
             stagger,
             lambda f: self.launch(replica, state, f),
             lambda f, result, extra: self.merge(replica, state, f, result, extra),
-            redo=self.redoes_syncs,
+            redo=self.recovery is not None and self.recovery.relaunches,
         )
 
     def use_nodes(self, replica: Replica, state: T, fragments: list[list[torch.Tensor]]) -> None:

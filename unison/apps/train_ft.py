@@ -30,7 +30,7 @@ from torch import nn
 
 import unison
 from unison import algorithms
-from unison.fault import SUPPORTED, check_supported
+from unison.fault import check_supported
 from unison.runtime import coordinator
 
 from . import logs
@@ -102,10 +102,7 @@ def steps_per_epoch(config: TrainConfig, n_train: int, world: int) -> int:
 
 def check(config: TrainConfig, plan: FaultPlan) -> None:
     """Refuse, before any process starts, what the fault-tolerant run cannot do (ValueError)."""
-    name = algorithms.parse(config.algorithm)[0]
-    if name not in SUPPORTED:
-        raise ValueError(f"--fault-tolerant does not support --algorithm {name}; choose from {', '.join(SUPPORTED)}")
-    check_supported(algorithms.as_algorithm(config.algorithm), None)  # hierarchical options, ...
+    check_supported(algorithms.as_algorithm(config.algorithm), None)
     if config.checkpoint_dir is not None or config.max_restarts:
         raise ValueError("--fault-tolerant keeps the job alive itself: leave out --checkpoint-dir and --max-restarts")
     if plan.min_replicas > config.nproc:

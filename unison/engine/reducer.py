@@ -44,6 +44,7 @@ from . import buckets as bucketing
 from . import comm, nonfinite
 from . import sparse as sparse_grads
 from .comm import src_rank, start
+from .offload import keep
 
 
 class Questions(Protocol):
@@ -122,6 +123,8 @@ class GradReducer:
             True if it recovered (fault tolerance). With it, each pass keeps
             a copy of this rank's gradients in ``local`` (parameter index ->
             gradient, before scaling) to redo the round from.
+        local_on_host: keep ``local`` in host memory (pinned under CUDA), not on
+            the parameters' device (``DataParallel(ft_offload=True)``).
         sparse: positions (in ``params``) of the parameters whose gradients are
             sparse; they are kept out of the buckets and summed with a sparse
             allreduce. A sparse gradient anywhere else raises, naming the parameter.
@@ -151,6 +154,7 @@ class GradReducer:
         on_end: Sequence[Callable[[], None]] = (),
         defers_completion: bool = False,
         recover: Optional[Callable[[BaseException, "GradReducer"], bool]] = None,
+        local_on_host: bool = False,
         sparse: Sequence[int] = (),
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
@@ -171,6 +175,7 @@ class GradReducer:
         self.on_end = list(on_end)
         self.defers_completion = defers_completion
         self.recover = recover
+        self.local_on_host = local_on_host
         self.local: dict[int, torch.Tensor] = {}
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
@@ -444,7 +449,7 @@ class GradReducer:
                 "module with sparse=False, or name the parameter in DistributedOptimizer(..., sparse_params=[...])"
             )
         if self.recover is not None:
-            self.local[i] = grad.detach().clone()
+            self.local[i] = keep(grad, self.local_on_host)
         if grad.requires_grad:  # backward(create_graph=True): the bucket takes the value, the graph is kept
             if not self._fired[i]:  # from an earlier pass, already averaged: its graph stays as it is
                 torch.mul(grad.detach(), self._scale, out=view)
@@ -483,7 +488,7 @@ class GradReducer:
         else:
             self._sparse_dims[i] = grad.sparse_dim()
             if self.recover is not None:
-                self.local[i] = grad.detach().clone()
+                self.local[i] = keep(grad, self.local_on_host)
             mine = (
                 grad.detach() * self._sparse_scale
             ).coalesce()  # a new tensor (the allreduce writes into it), no repeated rows

@@ -29,7 +29,7 @@ from ...replica import Replica
 from ...runtime import collective_timeout
 from .. import options
 from ..averaging_thread import SLOTS, AveragingThread, ChunkedRound
-from ..contract import Algorithm
+from ..contract import Algorithm, Recovery
 from ..schedules import CountedState, StepCount
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
@@ -153,6 +153,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     replicas_drift = True
     needs_optimizers = True
     stops_gradient_sync = True  # after its warm-up
+    recovery = Recovery()  # an interrupted average is dropped: the thread's next one pulls the replicas together
     sync_interval_ms: float = 50.0
     warmup_steps: int = 0
     hierarchical: bool = False

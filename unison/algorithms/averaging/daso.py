@@ -27,7 +27,7 @@ from ...engine.flat import Flats, by_kind
 from ...engine.hierarchy import TwoLevel, check_layout
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, State
+from ..contract import Algorithm, Recovery, State
 
 log = logging.getLogger("unison.daso")
 
@@ -517,6 +517,9 @@ class DASO(Algorithm[DASOState]):
     name = "daso"
     replicas_drift = True
     needs_optimizers = True
+    # Its failure domain is a node: a member that fails takes its node's group with it. A global sync a
+    # failure interrupts is dropped (the replicas drift between syncs; the next one pulls them together).
+    recovery = Recovery()
     total_epochs: Optional[int] = None
     warmup_epochs: int = 4
     cooldown_epochs: int = 4

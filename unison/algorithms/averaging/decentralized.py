@@ -32,6 +32,7 @@ from ...engine.flat import by_kind, split
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
+from ..contract import Recovery
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -200,6 +201,7 @@ class Decentralized(Streamed[DecentralizedState]):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
+    recovery = Recovery()  # an interrupted gossip round is dropped: the next one pulls the replicas together
     peer_selection: Literal["all", "shift_one", "ring"] = "all"
     period: int = 16
 

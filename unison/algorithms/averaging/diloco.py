@@ -31,6 +31,7 @@ from ...engine.flat import split
 from ...engine.offload import keep, pieces
 from ...replica import Replica
 from .. import options
+from ..contract import Recovery
 from ..schedules import StepCount
 from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
 
@@ -138,7 +139,9 @@ class DiLoCo(Streamed[DiLoCoState]):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
-    redoes_syncs = True  # an outer step is state every replica shares: redone after a membership change
+    # An outer step is state every replica shares: launched again after a membership change. The
+    # error feedback of its int8 wire belongs to the rank.
+    recovery = Recovery(rank_local=("feedback",), interrupted="relaunch")
     period: int = 16
     outer_lr: float = 0.7
     outer_momentum: float = 0.5

@@ -29,6 +29,7 @@ from ...engine.averaging import AsyncAverage, average_
 from ...engine.comm import Finished, Waitable
 from ...replica import Replica
 from .. import options
+from ..contract import Recovery
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -67,6 +68,7 @@ class LocalSGD(Streamed[LocalSGDState]):
     replicas_drift = True
     needs_optimizers = True
     stops_gradient_sync = True  # after its warm-up
+    recovery = Recovery()  # an interrupted average is dropped: the next one pulls the replicas together
     period: int = 16
     warmup_steps: int = 0
     hierarchical: bool = False

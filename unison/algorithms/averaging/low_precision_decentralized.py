@@ -27,6 +27,7 @@ from ...engine.hierarchy import TwoLevel
 from ...engine.offload import keep, pieces
 from ...replica import Replica
 from .. import options
+from ..contract import Recovery
 from ..schedules import StepCount
 from ..state import State
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
@@ -286,7 +287,8 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     reduces_gradients = False
     replicas_drift = True
     needs_optimizers = True
-    loads_everywhere = True  # a load makes the next round resend in full: under a heal, every member loads
+    # A load makes the next round resend the copies in full: under a heal, every member loads again.
+    recovery = Recovery(reload_after_heal=True)
     period: int = 16
     offload: bool = False
 

@@ -38,7 +38,7 @@ class SparseLoCoState(StreamedState):
     message buffers; the step count and the syncs in flight.
 
     Saved: the global weights (shared: equal on every rank) and the error feedback (rank-local:
-    ``feedback``, as ``unison.fault.RANK_LOCAL`` names it).
+    ``feedback``).
     """
 
     __slots__ = (

@@ -31,7 +31,7 @@ from ...engine.comm import Waitable
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, State
+from ..contract import Algorithm, Recovery, State
 from .bucket_tuner import BucketTuner
 
 
@@ -132,6 +132,7 @@ class AllReduce(BucketAllReduce[AllReduceState]):
     """
 
     name = "allreduce"
+    recovery = Recovery()
     autotune: bool = False
 
     def __post_init__(self) -> None:

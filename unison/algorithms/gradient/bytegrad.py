@@ -25,7 +25,7 @@ from ...engine.flatstate import FlatState
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, ThreadedState, open_thread
+from ..contract import Algorithm, Recovery, ThreadedState, open_thread
 
 __all__ = [
     "PART_VALUES",
@@ -123,6 +123,7 @@ class ByteGrad(Algorithm[ByteGradState]):
     name = "bytegrad"
     #: It reduces 8-bit buckets with error feedback: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
     sparse_gradients: ClassVar[bool] = False
+    recovery = Recovery(rank_local=("residuals",))  # error feedback belongs to the rank
     chunk_size: int = 1024
     error_feedback: bool = False
     hierarchical: bool = False

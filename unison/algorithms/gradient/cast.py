@@ -22,7 +22,7 @@ from ...engine.comm import Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, State
+from ..contract import Algorithm, Recovery, State
 
 
 class CastState(State):
@@ -55,6 +55,7 @@ class CastAllReduce(Algorithm[CastState]):
     """
 
     wire_dtype: ClassVar[torch.dtype]
+    recovery = Recovery()
     hierarchical: bool = False
 
     def __post_init__(self) -> None:

@@ -91,8 +91,7 @@ class Momenta:
 
 
 class DemoState(State):
-    """The rank's momenta (rank-local: saved as ``feedback``, the key ``unison.fault.RANK_LOCAL``
-    names), each bucket's codec and message buffers, and the shared work buffers."""
+    """The rank's momenta (rank-local: saved as ``feedback``), each bucket's codec and message buffers, and the shared work buffers."""
 
     __slots__ = ("momenta", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
 

@@ -50,6 +50,9 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
 
     name = "nonblocking"
     defers_completion = True
+    # No Recovery yet: refused under fault tolerance. Its step() only records the update, which the
+    # optimizer's own step applies layer by layer at the next forward, so the committed step and a
+    # round a failure cuts (some layers updated, others not) are not where fault tolerance counts them.
 
     def setup(self, replica: Replica) -> NonBlockingState:
         if not replica.optimizers:

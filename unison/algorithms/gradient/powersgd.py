@@ -22,7 +22,7 @@ from ...engine.flatstate import FlatState
 from ...engine.hierarchy import TwoLevel, aligned_bounds
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, ThreadedState, open_thread
+from ..contract import Algorithm, Recovery, ThreadedState, open_thread
 
 
 def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
@@ -119,6 +119,7 @@ class PowerSGD(Algorithm[PowerSGDState]):
     name = "powersgd"
     #: It reduces low-rank buckets with error feedback: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
     sparse_gradients: ClassVar[bool] = False
+    recovery = Recovery(rank_local=("residuals",))  # error feedback belongs to the rank; the Q factors are shared
     rank: int = 4
     start_iter: int = 10
     min_compression_rate: float = 2.0

@@ -22,7 +22,7 @@ from ...engine.comm import CommThread, Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, ThreadedState, open_thread
+from ..contract import Algorithm, Recovery, ThreadedState, open_thread
 from .bytegrad import bucket_exchange, exchange_cross, wire_bytes_8bit
 from .qadam_optimizer import QAdamOptimizer, beta1_like
 
@@ -80,6 +80,7 @@ class QAdam(Algorithm[QAdamState]):
     name = "qadam"
     #: It reduces its momentum, compressed per bucket: sparse gradients (nn.Embedding(sparse=True)) are refused at construction.
     sparse_gradients: ClassVar[bool] = False
+    recovery = Recovery()  # its momentum is the optimizer's exp_avg, healed with the optimizer
     hierarchical: bool = False
 
     def __post_init__(self) -> None:

@@ -1,0 +1,41 @@
+"""Algorithms on nodes under fault tolerance (issue 29): the hierarchical variants and DASO, whose
+failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed before its reduction, its
+node leaves and the other two go on over the node layout of the new membership. Gradient
+algorithms keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones equal replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration.test_fault_nodes import launch
+
+NODES = ("--nodes", "3", "--procs-per-node", "2")
+
+
+def kinds(result: dict) -> list[str]:
+    return [kind for _, kind, _ in result["events"]]
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce:hierarchical=True", "bf16:hierarchical=True"])
+def test_a_hierarchical_gradient_algorithm_keeps_the_ledger_exact_across_a_node_failure(tmp_path, algorithm):
+    code, err, found = launch(tmp_path / "out", NODES, "--algorithm", algorithm, "--kill", "1@10")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [2, 3, 4, 5], err[-3000:]
+    for result in found.values():
+        assert result["step"] == 40 and result["world"] == 4
+        assert result["w"] == [-1.0] * 40, result["w"]
+        assert {"failure", "regroup", "redo"} <= set(kinds(result))
+        rank = result["members"].index(result["id"])
+        assert result["topology"] == [rank % 2, 2, rank // 2]  # two nodes of two: the levels have two nodes
+
+
+@pytest.mark.parametrize("algorithm", ["diloco:hierarchical=True", "local_sgd:hierarchical=True,period=4", "daso"])
+def test_a_node_aware_averaging_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
+    code, err, found = launch(tmp_path / "out", NODES, "--algorithm", algorithm, "--kill", "1@10", "--average-at-end")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [2, 3, 4, 5], err[-3000:]
+    first = found[2]
+    for result in found.values():
+        assert result["step"] == 40 and result["world"] == 4
+        assert result["w"] == pytest.approx(first["w"], abs=1e-6)
+    assert "regroup" in kinds(first)
