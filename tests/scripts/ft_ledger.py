@@ -127,7 +127,8 @@ def run(args) -> None:
         slow_heal(args.slow_heal)
     unison.init()
     m = member.active()
-    mark(args, "joined", json.dumps({"id": m.id, "epoch": m.epoch, "members": m.members, "time": time.time()}))
+    joined = {"id": m.id, "node": m.node, "epoch": m.epoch, "members": m.members, "time": time.time()}
+    mark(args, "joined", json.dumps(joined))
     torch.manual_seed(0)
     net = Ledger(args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0)
     if args.algorithm.startswith("qadam"):
