@@ -70,6 +70,20 @@ value is in the JSON. The full run (about 20 minutes on 2 cores)::
 
 A tiny run: ``--only kill,heal --repeats 1 --heal-mb 1``. Prints a table;
 writes benchmarks/results/faults.json (or ``--json PATH``).
+
+``--against torchft`` runs, instead of the parts, the same workload under unison
+and under torchft side by side (stall after a kill, replacement start to its
+first step, ledger, goodput, fault-free step time against torch DDP): see
+``benchmarks/against_torchft.py``. It needs torchft, a bench extra that is never a
+dependency of the library, installed without touching torch::
+
+    pip install --no-deps torchft==0.2.0 opentelemetry-api opentelemetry-sdk \\
+        opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-http \\
+        opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common \\
+        opentelemetry-exporter-http-transport opentelemetry-proto protobuf googleapis-common-protos
+
+    python benchmarks/bench_faults.py --against torchft --repeats 3 --torchft-heartbeat-ms 5000,1000 \\
+        --goodput-rounds 1 --chaos-seconds 30 --clean-seconds 5 --json benchmarks/results/faults_torchft.json
 """
 
 from __future__ import annotations
