@@ -37,7 +37,7 @@ Parts:
   fault-free steps/s (the ddp runs' median).
 
 The whole mode takes about 5 minutes with ``--repeats 3 --goodput-rounds 1
---chaos-seconds 30``. torchft is a bench extra (``pip install --no-deps
+--chaos-seconds 20``. torchft is a bench extra (``pip install --no-deps
 torchft==0.2.0`` and its small imports: see torchft_worker.py), never a
 dependency of the library.
 """

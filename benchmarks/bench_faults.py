@@ -83,7 +83,7 @@ dependency of the library, installed without touching torch::
         opentelemetry-exporter-http-transport opentelemetry-proto protobuf googleapis-common-protos
 
     python benchmarks/bench_faults.py --against torchft --repeats 3 --torchft-heartbeat-ms 5000,1000 \\
-        --goodput-rounds 1 --chaos-seconds 30 --clean-seconds 5 --json benchmarks/results/faults_torchft.json
+        --goodput-rounds 1 --chaos-seconds 20 --clean-seconds 5 --json benchmarks/results/faults_torchft.json
 """
 
 from __future__ import annotations
