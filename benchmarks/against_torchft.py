@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -60,7 +61,16 @@ from typing import Any, Optional
 from bench_faults import ENV, HERE, Job, fresh, ft_command, load_json, med, p95, steps_of
 
 TORCHFT_WORKER = HERE / "torchft_worker.py"
-LIGHTHOUSE = "import sys; from torchft._torchft import lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; sys.exit(lighthouse_main())"
+
+
+def lighthouse_command() -> list[str]:
+    """torchft's ``torchft_lighthouse`` console script, run by this interpreter (its Rust main reads
+    the process's arguments past the interpreter's first, so ``python -c`` cannot stand in)."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise SystemExit("--against torchft: no torchft_lighthouse script (pip install --no-deps torchft==0.2.0)")
+    return [sys.executable, found]
 
 
 def free_port() -> int:
@@ -83,7 +93,7 @@ class TorchftJob:
         lighthouse = ["--min_replicas", "1", "--bind", f"127.0.0.1:{port}", "--quorum_tick_ms", "100"]
         lighthouse += ["--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_ms)]
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-c", LIGHTHOUSE, *lighthouse], stdout=self.log, stderr=subprocess.STDOUT, env=ENV
+            [*lighthouse_command(), *lighthouse], stdout=self.log, stderr=subprocess.STDOUT, env=ENV
         )
         self.procs: dict[int, subprocess.Popen] = {}
         self.codes: dict[int, Optional[int]] = {}
@@ -154,6 +164,14 @@ class TorchftJob:
         return "\n".join(lines[-3 * n :])
 
 
+def parse(name: str) -> tuple[str, str, int]:
+    """A contender's name: ``unison`` or ``torchft-<wrapper>-hb<heartbeat timeout ms>``."""
+    if name == "unison":
+        return "unison", "", 0
+    _, wrapper, hb = name.split("-")
+    return "torchft", wrapper, int(hb[2:])
+
+
 def write_stop(out: Path, step: int) -> None:
     (out / "stop.tmp").write_text(str(step))
     os.replace(out / "stop.tmp", out / "stop")
@@ -191,15 +209,15 @@ def gaps(rows: list[tuple[float, int, int]], world: int, skip: int = 5, before: 
 
 
 # ---- kill runs -----------------------------------------------------------------------------
-def kill_run(kind: str, r: int, args: argparse.Namespace, root: Path, heartbeat_ms: int = 0) -> dict:
-    name = kind if kind != "torchft" else f"torchft-hb{heartbeat_ms}"
+def kill_run(name: str, r: int, args: argparse.Namespace, root: Path) -> dict:
+    kind, wrapper, heartbeat_ms = parse(name)
     out = fresh(root, f"vs-{name}-{r}")
     victim = r % 3
     fault = ["--fault", "kill", "--victim", victim, "--at", args.at, "--seed", r]
     if kind == "unison":
         job: Any = Job(ft_command(3, out, "train", *fault, respawn=True), out, timeout=120)
     else:
-        job = TorchftJob(3, out, fault, heartbeat_ms, respawn=True, timeout=120)
+        job = TorchftJob(3, out, [*fault, "--wrapper", wrapper], heartbeat_ms, respawn=True, timeout=120)
     limit = time.time() + 100
     try:
         while time.time() < limit:  # until the replacement has taken --after-join steps (or the limit)
@@ -227,6 +245,9 @@ def kill_run(kind: str, r: int, args: argparse.Namespace, root: Path, heartbeat_
         row["error"] = f"the job did not end cleanly (exit code {code}):\n{job.tail()}"
     if kind == "torchft":
         row["respawns"] = job.respawns
+        row["survivors_crashed"] = sum(job.codes.get(w) not in (None, 0) for w in range(3) if w != victim)
+        firsts = [rows[0][1] for w, rows in steps_by_worker(out).items() if w.isdigit() and int(w) >= 3 and rows]
+        row["replacements_first_step"] = sorted(firsts)
     shown = (
         f"stall {row['stall_s']:.3f} s, replacement {row['start_to_first_step_s']:.2f} s"
         if "stall_s" in row
@@ -326,14 +347,13 @@ def summarize_kills(rows: list[dict], ddp_step: float) -> dict:
 
 
 # ---- goodput under chaos -------------------------------------------------------------------
-def chaos_run(
-    kind: str, out: Path, args: argparse.Namespace, schedule: list[float], draws: list[float], hb: int
-) -> dict:
+def chaos_run(name: str, out: Path, args: argparse.Namespace, schedule: list[float], draws: list[float]) -> dict:
+    kind, wrapper, hb = parse(name)
     limit = args.clean_seconds + args.chaos_seconds + 120
     if kind == "unison":
         job: Any = Job(ft_command(3, out, "train", respawn=True), out, timeout=limit)
     else:
-        job = TorchftJob(3, out, [], hb, respawn=True, timeout=limit)
+        job = TorchftJob(3, out, ["--wrapper", wrapper], hb, respawn=True, timeout=limit)
     kills: list[dict] = []
     try:
         t_first = None
@@ -403,7 +423,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             "pure-Python imports (see benchmarks/torchft_worker.py), never a plain install (it pulls another torch)"
         ) from exc
     heartbeats = [int(h) for h in str(args.torchft_heartbeat_ms).split(",") if h]
-    contenders = ["unison"] + [f"torchft-hb{h}" for h in heartbeats]
+    wrappers = [w for w in args.torchft_wrappers.split(",") if w]
+    contenders = ["unison"] + [f"torchft-{w}-hb{h}" for w in wrappers for h in heartbeats]
     kills: dict[str, list[dict]] = {c: [] for c in contenders}
     ddp: list[dict] = []
     for r in range(args.repeats):
@@ -413,10 +434,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             if c == "ddp":
                 ddp.append(ddp_run(fresh(root, f"vs-ddp-{r}"), args.at + 40))
                 print(f"  ddp {r}: {1000 * ddp[-1]['step_s']:.1f} ms a step", flush=True)
-            elif c == "unison":
-                kills[c].append(kill_run("unison", r, args, root))
             else:
-                kills[c].append(kill_run("torchft", r, args, root, int(c.split("hb")[1])))
+                kills[c].append(kill_run(c, r, args, root))
     ddp_step = med([d["step_s"] for d in ddp])
     result: dict[str, Any] = {
         "workers": 3,
@@ -434,9 +453,9 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             schedule.append(t)
         draws = [rng.random() for _ in schedule]
         measured = {}
-        for c in contenders if r % 2 == 0 else contenders[::-1]:
-            kind, hb = ("unison", 0) if c == "unison" else ("torchft", int(c.split("hb")[1]))
-            m = chaos_run(kind, fresh(root, f"vs-goodput-{c}-{r}"), args, schedule, draws, hb)
+        chaos = ["unison"] + [f"torchft-{w}-hb{heartbeats[0]}" for w in wrappers if w != "ddp"]
+        for c in chaos if r % 2 == 0 else chaos[::-1]:
+            m = chaos_run(c, fresh(root, f"vs-goodput-{c}-{r}"), args, schedule, draws)
             if "chaos_steps_per_s" in m:
                 m["goodput"] = m["chaos_steps_per_s"] * ddp_step
             measured[c] = m
@@ -449,7 +468,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
                 "goodput_median": med([r[c]["goodput"] for r in rounds if "goodput" in r[c]]),
                 "same_job_median": med([r[c]["same_job"] for r in rounds if "same_job" in r[c]]),
             }
-            for c in contenders
+            for c in (rounds[0] if rounds else {})
+            if c != "schedule_s"
         },
     }
     result["table"] = table(result, contenders)
@@ -490,6 +510,16 @@ def table(result: dict, contenders: list[str]) -> list[str]:
     row("steps redone / skipped", "", [f"{k[c]['steps_redone']}/{k[c]['steps_skipped']}" for c in contenders])
     row("steps refused and recomputed after the kill", "d", [k[c]["steps_refused_after_kill"] for c in contenders])
     if g["rounds"]:
-        row("goodput under chaos (steps/s over DDP's fault-free)", ".2f", [g[c]["goodput_median"] for c in contenders])
-        row("  chaos over its own fault-free window", ".2f", [g[c]["same_job_median"] for c in contenders])
+        nan = {"goodput_median": float("nan"), "same_job_median": float("nan")}
+        row(
+            "goodput under chaos (steps/s over DDP's fault-free)",
+            ".2f",
+            [g.get(c, nan)["goodput_median"] for c in contenders],
+        )
+        row("  chaos over its own fault-free window", ".2f", [g.get(c, nan)["same_job_median"] for c in contenders])
+    row(
+        "survivors crashed (torchft), all runs",
+        "",
+        [str(sum(r.get("survivors_crashed", 0) for r in k[c]["repeats"])) for c in contenders],
+    )
     return lines

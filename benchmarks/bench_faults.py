@@ -867,6 +867,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--against", choices=["torchft"], default=None, help="the side by side (benchmarks/against_torchft.py)"
     )
     parser.add_argument("--torchft-heartbeat-ms", default="5000", help="--against torchft: Lighthouse timeouts, a list")
+    parser.add_argument("--torchft-wrappers", default="ddp,grads", help="--against torchft: ddp (its DDP), grads")
     parser.add_argument("--after-join", type=int, default=10, help="--against: steps of the replacement per kill run")
     args = parser.parse_args(argv)
     given = list(argv if argv is not None else sys.argv[1:])

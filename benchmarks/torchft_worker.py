@@ -169,7 +169,10 @@ def train(args: argparse.Namespace) -> None:
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
         connect_timeout=timedelta(seconds=args.timeout),
     )
-    model = DistributedDataParallel(manager, net)
+    # ddp: torchft's DistributedDataParallel (its comm hook allreduces each bucket through the Manager);
+    # grads: the gradients flattened into one buffer, allreduced with manager.allreduce after backward.
+    model = DistributedDataParallel(manager, net) if args.wrapper == "ddp" else net
+    params = [p for p in net.parameters()]
     optimizer = Optimizer(manager, opt)
     timeline["manager_done"] = time.time()
     events: list = []
@@ -196,6 +199,13 @@ def train(args: argparse.Namespace) -> None:
             threading.Timer(rng.uniform(0, log.step_time()), fire, (signal.SIGKILL,)).start()
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if args.wrapper == "grads":
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            manager.allreduce(flat).wait()
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
         optimizer.step()
         if manager.current_step() == step:
             events.append([time.time(), "uncommitted", f"step {step + 1}: {manager.errored()}"])
@@ -246,7 +256,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--replica", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", 0)))
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510"))
-    p.add_argument("--min-replicas", type=int, default=2)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--wrapper", choices=["ddp", "grads"], default="ddp", help="how gradients are averaged")
     p.add_argument("--pg-timeout", type=float, default=5.0, help="gloo's timeout, s (torchft's train_ddp.py: 5)")
     p.add_argument("--timeout", type=float, default=30.0, help="the Manager's timeout, s (train_ddp.py: 30)")
     p.add_argument("--quorum-timeout", type=float, default=60.0)
