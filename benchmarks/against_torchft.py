@@ -99,7 +99,7 @@ class TorchftJob:
         self.codes: dict[int, Optional[int]] = {}
         self.respawns: list[dict] = []
         self.ending = False
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # end() is called under it too
         for wid in range(n):
             self._start(wid)
         self.next_id = n
