@@ -229,3 +229,17 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (FileNotFoundError, ValueError):
         return -1
+
+
+def test_bad_launch_options_are_refused_with_what_to_do():
+    cases = [
+        ((), "give --nproc N (processes, nodes of one) or --nodes N [--procs-per-node P]"),
+        (("--nproc", "2", "--procs-per-node", "2"), "use --nodes N --procs-per-node P"),
+        (("--nodes", "1", "--procs-per-node", "2", "--min-replicas", "3"), "--min-replicas 3 is more than the 2"),
+        (("--procs-per-node", "2", "--coordinator", "h:1", "--min-replicas", "2"), "belong to `unison coordinator`"),
+        (("--procs-per-node", "2", "--coordinator", "nohost"), "is not HOST:PORT"),
+    ]
+    for args, words in cases:
+        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *args, str(SCRIPT), "--out", "unused"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
+        assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
