@@ -70,6 +70,20 @@ value is in the JSON. The full run (about 20 minutes on 2 cores)::
 
 A tiny run: ``--only kill,heal --repeats 1 --heal-mb 1``. Prints a table;
 writes benchmarks/results/faults.json (or ``--json PATH``).
+
+``--against torchft`` runs, instead of the parts, the same workload under unison
+and under torchft side by side (stall after a kill, replacement start to its
+first step, ledger, goodput, fault-free step time against torch DDP): see
+``benchmarks/against_torchft.py``. It needs torchft, a bench extra that is never a
+dependency of the library, installed without touching torch::
+
+    pip install --no-deps torchft==0.2.0 opentelemetry-api opentelemetry-sdk \\
+        opentelemetry-semantic-conventions opentelemetry-exporter-otlp-proto-http \\
+        opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common \\
+        opentelemetry-exporter-http-transport opentelemetry-proto protobuf googleapis-common-protos
+
+    python benchmarks/bench_faults.py --against torchft --repeats 3 --torchft-heartbeat-ms 5000,1000 \\
+        --goodput-rounds 1 --chaos-seconds 20 --clean-seconds 5 --json benchmarks/results/faults_torchft.json
 """
 
 from __future__ import annotations
@@ -849,6 +863,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default=None, help="keep the runs' files in this directory")
     parser.add_argument("--json", default=str(HERE / "results" / "faults.json"))
+    parser.add_argument(
+        "--against", choices=["torchft"], default=None, help="the side by side (benchmarks/against_torchft.py)"
+    )
+    parser.add_argument("--torchft-heartbeat-ms", default="5000", help="--against torchft: Lighthouse timeouts, a list")
+    parser.add_argument("--torchft-wrappers", default="ddp,grads", help="--against torchft: ddp (its DDP), grads")
+    parser.add_argument("--after-join", type=int, default=10, help="--against: steps of the replacement per kill run")
     args = parser.parse_args(argv)
     given = list(argv if argv is not None else sys.argv[1:])
     parts = [p for p in args.only.split(",") if p]
@@ -864,6 +884,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.time()
     load_at_start = os.getloadavg()
     results: dict[str, Any] = {}
+    if args.against:
+        return against(args, given, started, load_at_start)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep) / f"run-{int(started)}" if args.keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -890,9 +912,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def against(args: argparse.Namespace, given: list[str], started: float, load: tuple) -> int:
+    """``--against torchft``: the same workload under unison and under torchft (benchmarks/against_torchft.py)."""
+    sys.path.insert(0, str(HERE))
+    import against_torchft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep) / f"run-{int(started)}" if args.keep else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        results = {"against": args.against, **against_torchft.run(args, root)}
+    write_report(args, given, started, load, results, complete=True)
+    print("\n".join(results["table"]))
+    print(f"wrote {args.json}")
+    return 0
+
+
 def write_report(args, given: list[str], started: float, load: tuple, results: dict, complete: bool) -> None:
     """The JSON, after every part (``complete``: false until the last part is in)."""
-    results["table"] = table(results)
+    if "against" not in results:  # the side by side draws its own table
+        results["table"] = table(results)
     report = {
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_faults.py", *given]),
         "complete": complete,

@@ -45,10 +45,17 @@ class Job:
     (by the pids its workers wrote), and the launcher too.
     """
 
-    def __init__(self, tmp_path: Path, *args: str, nproc: int = 3, launcher: tuple = (), nice: int = 0) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, nproc: int = 3, launcher: tuple = (), nice: int = 0, procs_per_node: int = 1
+    ) -> None:
         self.out = tmp_path / "out"
         self.out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", str(nproc), *launcher]
+        size = (
+            ("--nproc", str(nproc))
+            if procs_per_node == 1
+            else ("--nodes", str(nproc), "--procs-per-node", str(procs_per_node))
+        )
+        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *size, *launcher]
         cmd += [str(SCRIPT), "--out", str(self.out), *args]
         self.lines: list[str] = []
         self.process = subprocess.Popen(
@@ -115,6 +122,10 @@ class Job:
 
     def joined(self, pid: int) -> dict:
         return json.loads((self.out / f"joined-{pid}").read_text())
+
+    def node_of(self, pid: int) -> Optional[int]:
+        """The node worker ``pid`` was admitted with (None before its admission)."""
+        return self.joined(pid)["node"] if self.marked("joined", pid) else None
 
     def wait_for(self, what: str, found: Callable[[], object], timeout: float = LIMIT_S, poll: float = 0.002):
         deadline = time.time() + timeout
@@ -342,9 +353,10 @@ STOPPED_S = 4.0  # a stopped worker is evicted after 2 s of silence; then the te
 
 
 def chaos(job: Job, rng: random.Random, seconds: float) -> list[tuple[float, int, int, str]]:
-    """Every 3 +- 1 s, SIGKILL or SIGSTOP a random live worker of the run (never the last running
-    one that holds the job's state: then there would be nothing left to heal from). A stopped worker
-    is SIGKILLed or resumed STOPPED_S later. Returns what was done: (time, pid, worker id, action)."""
+    """Every 3 +- 1 s, SIGKILL or SIGSTOP a random live worker of the run (never one of the last
+    running node that holds the job's state: then there would be nothing left to heal from; a worker
+    is a node of its own without --procs-per-node). A stopped worker is SIGKILLed or resumed
+    STOPPED_S later. Returns what was done: (time, pid, worker id, action)."""
     done: list[tuple[float, int, int, str]] = []
     stopped: dict[int, float] = {}
     ever_stopped: set[int] = set()
@@ -363,8 +375,8 @@ def chaos(job: Job, rng: random.Random, seconds: float) -> list[tuple[float, int
         if now >= fault_at:
             fault_at = now + rng.uniform(2.0, 4.0)
             running = [pid for pid in pids if pid not in stopped and job.alive(pid)]
-            holders = [pid for pid in running if job.marked("ready", pid) and pid not in ever_stopped]
-            victims = [pid for pid in running if holders != [pid]]
+            holders = {job.node_of(p) for p in running if job.marked("ready", p) and p not in ever_stopped}
+            victims = [pid for pid in running if holders != {job.node_of(pid)}]
             if victims:
                 victim = rng.choice(victims)
                 action = rng.choice(["kill", "kill", "kill", "stop", "stop"])
@@ -381,19 +393,23 @@ def chaos(job: Job, rng: random.Random, seconds: float) -> list[tuple[float, int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["allreduce", "bytegrad", "local_sgd"])
-def test_chaos_random_kills_and_stops_for_a_minute_leave_exact_ledgers(tmp_path, algorithm):
-    """3 workers with --respawn; for 60 s a random worker is SIGKILLed or SIGSTOPped every 3 +- 1 s.
-    Then the job runs to its end: no hang, every finishing worker's ledger exact (local_sgd drifts
-    between its averages: its replicas equal after a final average), and the state they end with
-    descends from the job's first membership (no silent restart from a joiner's fresh state)."""
+@pytest.mark.parametrize(
+    "algorithm, procs_per_node", [("allreduce", 1), ("bytegrad", 1), ("local_sgd", 1), ("allreduce", 2)]
+)
+def test_chaos_random_kills_and_stops_for_a_minute_leave_exact_ledgers(tmp_path, algorithm, procs_per_node):
+    """3 workers (or 3 nodes of 2) with --respawn; for 60 s a random worker is SIGKILLed or SIGSTOPped
+    every 3 +- 1 s (on nodes it takes its node out, and the node comes back whole). Then the job runs
+    to its end: no hang, every finishing worker's ledger exact (local_sgd drifts between its
+    averages: its replicas equal after a final average), and the state they end with descends from
+    the job's first membership (no silent restart from a joiner's fresh state)."""
     seed = int(os.environ.get("UNISON_CHAOS_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     steps = 2000  # 0.04 s each while the chaos lasts: more than 80 s, so the job outlives it
     args = ["--steps", str(steps), "--sleep", "0.04", "--algorithm", algorithm, "--origin"]
     args += ["--hurry-file", str(tmp_path / "hurry")] + (["--average-at-end"] if algorithm == "local_sgd" else [])
-    with Job(tmp_path, *args, launcher=("--respawn",)) as job:
-        job.wait_for("3 workers training", lambda: sum(job.marked("ready", p) for p in job.pids()) >= 3)
+    workers = 3 * procs_per_node
+    with Job(tmp_path, *args, launcher=("--respawn",), procs_per_node=procs_per_node) as job:
+        job.wait_for(f"{workers} workers training", lambda: sum(job.marked("ready", p) for p in job.pids()) >= workers)
         done = chaos(job, rng, CHAOS_S)
         (tmp_path / "hurry").touch()
         code = job.wait(120)

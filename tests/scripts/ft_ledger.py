@@ -17,6 +17,7 @@ payload big; its checksum is in the result); `--origin` adds a frozen parameter 
 membership epoch that created the model (1; a joiner's own is its admission epoch until healed),
 so a job that silently started over from a joiner's fresh state shows; `--hurry-file PATH` drops
 the sleep once PATH exists (steps stay fixed, so every member stops at the same committed step).
+`--ramp` scales step s's gradient by (steps - s): every value differs, so a top-k picks without ties.
 `--switch-to NAME@STEP` switches the algorithm before that step. `--group world` passes the job's
 group as process_group (`first-two`: a group of ranks 0 and 1).
 `--slow-heal S` makes a healed worker pause S seconds after each piece of its heal it receives,
@@ -74,6 +75,9 @@ def main() -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--leave", default=None)
     p.add_argument("--square", action="store_true", help="worker i's gradient is (i+1)^2 e_s (who contributes shows)")
+    p.add_argument(
+        "--ramp", action="store_true", help="step s's gradient is scaled by steps - s (distinct, largest first)"
+    )
     p.add_argument("--average-at-end", action="store_true", help="model.average() before writing the weights")
     p.add_argument("--pad-mb", type=float, default=0.0, help="a frozen parameter of this many MiB (a big heal)")
     p.add_argument("--origin", action="store_true", help="a frozen parameter: the epoch that created the state")
@@ -125,7 +129,8 @@ def run(args) -> None:
         slow_heal(args.slow_heal)
     unison.init()
     m = member.active()
-    mark(args, "joined", json.dumps({"id": m.id, "epoch": m.epoch, "members": m.members, "time": time.time()}))
+    joined = {"id": m.id, "node": m.node, "epoch": m.epoch, "members": m.members, "time": time.time()}
+    mark(args, "joined", json.dumps(joined))
     torch.manual_seed(0)
     net = Ledger(args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0)
     if args.algorithm.startswith("qadam"):
@@ -162,6 +167,8 @@ def run(args) -> None:
         opt.zero_grad()
         x = torch.zeros(args.steps)
         x[s] = float((me + 1) ** 2) if args.square else 1.0
+        if args.ramp:
+            x[s] *= args.steps - s
         model(x).backward()
         opt.step()
         for who, step, when in kills:

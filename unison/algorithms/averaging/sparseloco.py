@@ -28,6 +28,7 @@ from ...engine.hierarchy import TwoLevel
 from ...engine.topk import BITS, TopK, scratch_numel
 from ...replica import Replica
 from .. import options
+from ..contract import Recovery
 from ..schedules import StepCount
 from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
 
@@ -38,7 +39,8 @@ class SparseLoCoState(StreamedState):
     message buffers; the step count and the syncs in flight.
 
     Saved: the global weights (shared: equal on every rank) and the error feedback (rank-local:
-    ``feedback``).
+    ``feedback``). While a fragment's sync travels, its error feedback as it was before the launch
+    (``before``): a sync abandoned by a membership change starts again from it.
     """
 
     __slots__ = (
@@ -52,6 +54,7 @@ class SparseLoCoState(StreamedState):
         "messages",
         "group",
         "node_parts",
+        "before",
     )
 
     def __init__(
@@ -80,6 +83,7 @@ class SparseLoCoState(StreamedState):
         # per fragment: this rank's message and every rank's ([world, nbytes]), reused at each sync
         self.messages = [(c.empty(), c.empty(world)) for c in codecs]
         self.node_parts: list[NodePart] = []  # hierarchical: per fragment, this rank's shard and its buffers
+        self.before: dict[int, torch.Tensor] = {}  # per fragment in flight, its error feedback before the launch
 
     def _by_name(self, flats: list[Flat]) -> dict[str, torch.Tensor]:
         return {n: v.detach().clone() for f, flat in zip(self.fragments, flats) for n, v in zip(f, flat.views)}
@@ -107,6 +111,7 @@ class SparseLoCoState(StreamedState):
                 raise ValueError(f"sparseloco state has no {key} of {missing[0]!r}: was it saved with other fragments?")
         self.load_streams(state)
         self.count.load_state_dict(state)
+        self.before.clear()  # the syncs in flight loaded have landed: they are merged as they are
         with torch.no_grad():
             for key, flats in (("global", self.globals), ("feedback", self.errors)):
                 for f, flat in zip(self.fragments, flats):
@@ -142,9 +147,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
 
     Memory: the global weights and the error feedback, in float32 (+2 P for a float32 model),
-    each rank's message (about 0.01 P per rank at the defaults) and, while a sync travels with a
-    ``delay``, its fragment's weights at launch; hierarchical, a float32 buffer the node's rounds
-    run in (+1 P).
+    each rank's message (about 0.01 P per rank at the defaults), while a sync travels its
+    fragment's error feedback before the launch (what a sync abandoned by a failure starts again
+    from) and, with a ``delay``, its weights at launch; hierarchical, a float32 buffer the node's
+    rounds run in (+1 P).
 
     Example::
 
@@ -156,6 +162,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     replicas_drift = True
     reduces_gradients = False
     needs_optimizers = True
+    # The outer step is state every replica shares: a sync a failure interrupts is launched again on
+    # the new membership, from the error feedback as it was before (``release``). The error feedback
+    # belongs to the rank.
+    recovery = Recovery(rank_local=("feedback",), interrupted="relaunch")
     period: int = 16
     outer_lr: float = 1.0
     beta: float = 0.95
@@ -206,12 +216,15 @@ class SparseLoCo(Streamed[SparseLoCoState]):
 
     def launch(self, replica: Replica, state: SparseLoCoState, fragment: int) -> tuple[Waitable, Any]:
         """Fold ``fragment``'s pseudo-gradient into its error feedback, encode its top-k (the rest
-        stays in the feedback) and start the all-gather; keep its weights if merged late."""
+        stays in the feedback) and start the all-gather; keep its weights if merged late, and its
+        error feedback before the fold until the sync merges."""
         f, params = fragment, state.params[fragment]
         error, codec = state.errors[f], state.codecs[f]
         mine, everyone = state.messages[f]
         with torch.no_grad():
             at_launch = [p.detach().clone() for p in params] if state.late else None
+            if state.group is not None:  # a sync abandoned starts again from it (``release``)
+                state.before[f] = error.flat.clone()
             buffers = state.buffers if f == len(state.params) - 1 else []
             if state.levels is not None:
                 return self._launch_nodes(state, f, params, buffers), at_launch
@@ -270,6 +283,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         """The outer step on ``fragment``: ``global -= outer_lr * mean(decoded messages)``, then
         the weights take the new global weights (keeping the local steps taken meanwhile if late)."""
         f, at_launch = fragment, extra
+        state.before.pop(f, None)
         messages, averaged = result[0], result[1:]
         glob, codec = state.globals[f], state.codecs[f]
         with torch.no_grad():
@@ -287,6 +301,19 @@ class SparseLoCo(Streamed[SparseLoCoState]):
                 torch._foreach_add_(params, torch._foreach_sub(glob.views, at_launch))
             if averaged:
                 torch._foreach_copy_([b.detach() for b in state.buffers], averaged)
+
+    def release(self, replica: Replica, state: SparseLoCoState) -> None:
+        """The members changed: the syncs in flight are abandoned, to be launched again at the next
+        step; each fragment's error feedback goes back to what it was before its launch, so that the
+        launch again folds its pseudo-gradient in once (and applies ``beta`` once)."""
+        if state.streams is not None:
+            with torch.no_grad():
+                for f in state.streams.inflight:
+                    before = state.before.pop(f, None)
+                    if before is not None:
+                        state.errors[f].flat.copy_(before)
+        state.before.clear()
+        super().release(replica, state)
 
 
 class Exchange:
