@@ -371,11 +371,16 @@ def _p2p(send: bool, t: torch.Tensor, peer: int, group: Any, tag: int) -> Any:
     return work
 
 
-def _send_pieces(tensors: list[torch.Tensor], mine: list[int], receivers: list[int], group: Any) -> None:
-    """Send the pieces numbered ``mine`` (of ``_pieces`` of ``tensors``) to every receiver, at
-    most ``HEAL_WINDOW`` per receiver in flight: a piece of one tensor straight from its memory,
-    a packed one through a staging copy of at most ``STAGING_BYTES``."""
-    pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
+def _send_pieces(
+    tensors: list[torch.Tensor],
+    pieces: list[list[tuple[int, int, int]]],
+    mine: list[int],
+    receivers: list[int],
+    group: Any,
+) -> None:
+    """Send the pieces numbered ``mine`` (of ``pieces``, ``_pieces`` of ``tensors``) to every
+    receiver, at most ``HEAL_WINDOW`` per receiver in flight: a piece of one tensor straight from
+    its memory, a packed one through a staging copy of at most ``STAGING_BYTES``."""
     flight: collections.deque = collections.deque()
     for k in mine:
         piece = pieces[k]
@@ -475,8 +480,9 @@ def share_state(
                 )
         for work in works:
             wait(work, p2p=True)
-        count = len(_pieces([t.numel() for t in tensors], STAGING_BYTES))
-        _send_pieces(tensors, list(range(list(sources).index(rank), count, len(sources))), list(receivers), group)
+        pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
+        mine = list(range(list(sources).index(rank), len(pieces), len(sources)))
+        _send_pieces(tensors, pieces, mine, list(receivers), group)
         return obj
     if rank not in receivers:
         return obj
