@@ -135,8 +135,9 @@ class FaultPolicy(Protocol):
         """Whether failures are recovered from (the engine then keeps each pass's local gradients)."""
         ...
 
-    def start(self) -> None:
-        """After construction: the first agreement (a joiner takes the members' state)."""
+    def start(self, begin: Callable[[], None]) -> None:
+        """After construction: ``begin()`` starts the algorithm (it builds its groups), then the
+        first agreement (a joiner takes the members' state)."""
 
     def refuse(self, algorithm: Any) -> None:
         """Raise ValueError if ``algorithm`` cannot run under this policy (at construction, at a switch)."""
@@ -161,8 +162,8 @@ class NoFaultTolerance:
 
     active = False
 
-    def start(self) -> None:
-        pass
+    def start(self, begin: Callable[[], None]) -> None:
+        begin()
 
     def refuse(self, algorithm: Any) -> None:
         pass

@@ -26,7 +26,7 @@ import logging
 import time
 import weakref
 import zlib
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -310,8 +310,22 @@ class FaultTolerance:
             self._settled("idle", None, regroup=True)
 
     # ---- recovery -------------------------------------------------------------------------
-    def start(self) -> None:
-        """The first agreement: a fresh worker takes the members' state (everyone, at the start of the job)."""
+    def start(self, begin: Callable[[], None]) -> None:
+        """``begin()`` (the algorithm's start, which builds its groups), then the first agreement:
+        a fresh worker takes the members' state (everyone, at the start of the job).
+
+        A member that dies while the others build their groups is a failure like any other: the
+        survivors regroup, start the algorithm again over the new members (``regrouped``) and
+        settle, instead of raising out of ``DataParallel(...)`` once the rendezvous times out.
+        """
+        try:
+            begin()
+        except Exception as exc:
+            if not is_failure(exc, self._member):
+                raise
+            self.note("failure", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+            self._settled("join", None, regroup=True)
+            return
         self._settled("join", None)
 
     def recover(self, exc: BaseException, kind: str, local: Optional[dict[int, torch.Tensor]] = None) -> bool:

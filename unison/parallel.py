@@ -240,8 +240,9 @@ class DataParallel(nn.Module):
                 self._construct_collectives(named)
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
-        self._start_algorithm()
-        self._core.fault.start()  # fault tolerance: a joiner takes the members' state; at the job's start, rank 0's
+        # Fault tolerance: a joiner takes the members' state (at the job's start, rank 0's), and a
+        # member lost while the algorithm builds its groups is recovered from.
+        self._core.fault.start(self._start_algorithm)
         logger.info(
             "DataParallel: %d parameter tensor(s), algorithm %s, %d rank(s)%s",
             len(named),

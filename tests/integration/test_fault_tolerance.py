@@ -69,6 +69,18 @@ def test_rank_0_may_die(tmp_path):
     assert all(r["members"] == [1, 2] for r in found.values())  # the oldest survivor is rank 0 now
 
 
+def test_a_member_killed_while_the_others_build_their_groups_is_recovered_from(tmp_path):
+    """Worker 2 dies inside DataParallel(...) as its gradient engine starts building its groups; the
+    others, waiting in that group's rendezvous, regroup and train on (they used to raise the
+    rendezvous' DistStoreError out of DataParallel(...) and end the job)."""
+    code, err, found = launch(tmp_path, "--kill-building", "2", steps=10)
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 1], err[-3000:]
+    for result in found.values():
+        assert result["w"] == [-1.0] * 10 and result["world"] == 2
+        assert {"failure", "regroup"} <= set(kinds(result))
+
+
 def test_a_kill_equals_a_graceful_leave_bitwise(tmp_path):
     """Each worker's gradient differs ((id+1)^2 e_s), so who took part in each round shows."""
     killed = launch(tmp_path / "kill", "--square", "--kill", "1@10")

@@ -23,6 +23,8 @@ group as process_group (`first-two`: a group of ranks 0 and 1).
 `--slow-heal S` makes a healed worker pause S seconds after each piece of its heal it receives,
 so a test can catch the payload on the wire and act while it is there (the heal goes in 4 MiB
 pieces and would otherwise end between two looks on a loaded machine).
+`--kill-building ID` SIGKILLs worker ID inside its first `DataParallel(...)`, as the gradient
+engine starts building its groups: the others are then inside that group's rendezvous.
 """
 
 import argparse
@@ -85,6 +87,7 @@ def main() -> None:
     p.add_argument("--switch-to", default=None, help="NAME@STEP: model.switch_to(NAME) before step STEP")
     p.add_argument("--group", choices=["world", "first-two"], default=None, help="pass this process_group")
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
+    p.add_argument("--kill-building", type=int, default=None, help="this worker dies building its groups")
     args = p.parse_args()
     try:
         run(args)
@@ -123,10 +126,21 @@ def slow_heal(pause: float) -> None:
     comm._receive_pieces = paused
 
 
+def kill_building() -> None:
+    """SIGKILL this worker when the gradient engine asks for its first group."""
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    comm.private_group = die
+
+
 def run(args) -> None:
     mark(args, "pid", os.environ.get("UNISON_FT_ID", "?"))
     if args.slow_heal:
         slow_heal(args.slow_heal)
+    if args.kill_building is not None and os.environ.get("UNISON_FT_ID") == str(args.kill_building):
+        kill_building()
     unison.init()
     m = member.active()
     joined = {"id": m.id, "node": m.node, "epoch": m.epoch, "members": m.members, "time": time.time()}
