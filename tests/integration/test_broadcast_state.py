@@ -1,5 +1,5 @@
-"""comm.broadcast_state and comm.share_state: a state with its tensors sent raw; share_state is the
-fault-tolerant heal (point to point, only to the ranks behind, in shards from several sources)."""
+"""comm.share_state: a state with its tensors sent raw, the fault-tolerant heal (point to point,
+only to the ranks behind, in shards from several sources)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from launch import run
 
 from unison.engine import comm
-from unison.engine.comm import broadcast_state, share_state
+from unison.engine.comm import share_state
 
 
 def _state() -> dict:
@@ -34,7 +34,7 @@ def _state() -> dict:
 
 
 def _receive() -> dict:
-    state = broadcast_state(_state() if dist.get_rank() == 1 else None, src=1)
+    state = share_state(_state() if dist.get_rank() == 1 else None, sources=[1], receivers=[0, 2])
     module = state["module"]
     return {
         "equal": all(torch.equal(module[k], v) and module[k].dtype == v.dtype for k, v in _state()["module"].items()),
