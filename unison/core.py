@@ -255,6 +255,11 @@ class Core:
                 if not self.fault.recover(exc, "drop"):
                     raise
 
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether failures are recovered from (the fault policy is ``unison.fault.FaultTolerance``)."""
+        return self.fault.active
+
     # ---- the algorithm ------------------------------------------------------------
     @property
     def events(self) -> Dispatcher:

@@ -39,6 +39,9 @@ class Wiring(Protocol):
     @property
     def clock(self) -> StepClock: ...
 
+    @property
+    def fault_tolerant(self) -> bool: ...
+
 
 class Standalone:
     """The wiring of a Replica with no wrapper (unit tests): no engine, fresh hooks and clock."""
@@ -48,6 +51,7 @@ class Standalone:
         self.bucket_cap_mb = bucket_cap_mb
         self.clock = StepClock(optimizers)
         self.hooks = Hooks(self.clock)
+        self.fault_tolerant = False
 
 
 class Replica:
@@ -124,6 +128,12 @@ class Replica:
     def distributed(self) -> bool:
         """Whether there are other replicas to talk to."""
         return self.group is not None and self.world_size > 1
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether failures are recovered from (``DataParallel(fault_tolerant=True)``): an interrupted
+        gradient round is then done again, and an algorithm keeps what it needs to do it once."""
+        return self._wiring.fault_tolerant
 
     # ---- where it talks ----------------------------------------------------------
     @property

@@ -209,6 +209,9 @@ FT_BUDGET = {
     "bytegrad:error_feedback=True": 2.12,
     "diloco:period=4": 2.1,
     "local_sgd:period=4": 0.1,  # its buckets are let go once it stops averaging gradients: nothing saved
+    # its momentum and messages (1.37 P alone, above), the saved gradients, and the momentum as it was
+    # before each fold, which an interrupted round is done again from (+1 P: fault tolerance only)
+    "demo": 3.4,
 }
 
 

@@ -96,3 +96,28 @@ def test_bad_options_are_refused(options, says):
 def test_the_name_and_options_form():
     a = unison.algorithms.create("demo:chunk=32,topk=2,sign=true,bits=4")
     assert (a.chunk, a.topk, a.sign, a.bits, a.beta) == (32, 2, True, 4, 0.999)
+
+
+def test_an_abandoned_round_puts_back_the_momentum_it_folded_into_and_a_completed_one_keeps_it():
+    """Under fault tolerance each fold first copies what it changes (``Entry.keep``): ``undo`` (a
+    membership change, before the round is done again) restores it, a shard's alone when only the
+    shard was folded; ``settle`` (the round completed) keeps the fold."""
+    from unison.algorithms.gradient.demo import Entry
+
+    entry = Entry([torch.zeros(5), torch.zeros(3)], chunk=4, device=torch.device("cpu"))
+    entry.flat.copy_(torch.arange(12.0))
+    before = entry.flat.clone()
+    entry.keep()
+    entry.flat.mul_(0.5).add_(1.0)
+    entry.undo()
+    assert torch.equal(entry.flat, before)
+    entry.keep(4, 8)  # hierarchical: this rank's shard
+    entry.flat[4:8] = -1.0
+    entry.flat[0] = 7.0  # outside the shard: not this round's fold, left as it is
+    entry.undo()
+    assert torch.equal(entry.flat[4:8], before[4:8]) and entry.flat[0] == 7.0
+    entry.keep()
+    entry.flat.zero_()
+    entry.folded = None  # what Momenta.settle does once the round completed
+    entry.undo()
+    assert not entry.flat.any()

@@ -42,8 +42,10 @@ class Recovery:
     A joiner, and every member behind the most advanced one, receives the model, the optimizers
     and the algorithm's state (``state_dict``) from that member: everything is shared but the
     entries named ``rank_local``. A gradient round a failure interrupted is always done again on
-    the new membership from each member's saved local gradient; ``interrupted`` says what becomes
-    of a sync of the algorithm's own (an average, an outer step).
+    the new membership from each member's saved local gradient (an algorithm whose reduction
+    changes state of its own as the round starts, demo's momentum, puts it back in ``release``,
+    which every membership change calls before the state is read); ``interrupted`` says what
+    becomes of a sync of the algorithm's own (an average, an outer step).
 
     Attributes:
         rank_local: the entries of the state's ``state_dict`` that belong to one worker (error

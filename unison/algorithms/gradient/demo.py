@@ -7,7 +7,9 @@ rest stays, as error feedback does). The ranks all-gather the fixed-size message
 its sign, ``sign=True``) is the gradient the user's optimizer sees. Bucket by bucket, so the
 exchange overlaps with backward. ``hierarchical``: the node sums the gradients at full precision
 and each local rank keeps the momentum of its shard (whole chunks) of the node's mean; only its
-sparse message crosses nodes (``engine.hierarchy.TwoLevel``). See docs/algorithms.md#demo.
+sparse message crosses nodes (``engine.hierarchy.TwoLevel``). Under fault tolerance each bucket's
+momentum is copied before its fold (``Entry.before``): a round a failure interrupts is done again
+from it, so the gradient is folded once. See docs/algorithms.md#demo.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ from ...engine.hierarchy import TwoLevel
 from ...engine.topk import BITS, BLOCK
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, State
+from ..contract import Algorithm, Recovery, State
 
 
 class Entry:
     """One bucket's momentum in DeMo's layout: each parameter's values from a whole chunk on,
     padded with zeros to whole chunks, in one float32 flat; ``views`` are shaped like the
-    parameters, ``pad`` lists the padding's positions (kept at zero)."""
+    parameters, ``pad`` lists the padding's positions (kept at zero). Under fault tolerance
+    ``before`` holds the momentum as it was before the fold of the round in flight (``folded``:
+    the slice it folded into, the whole flat or a hierarchical rank's shard)."""
 
-    __slots__ = ("flat", "views", "offsets", "pad", "target", "targets")
+    __slots__ = ("flat", "views", "offsets", "pad", "target", "targets", "before", "folded")
 
     def __init__(self, like: list[torch.Tensor], chunk: int, device: torch.device) -> None:
         sizes = [-(-t.numel() // chunk) * chunk for t in like]
@@ -44,6 +48,21 @@ class Entry:
         self.pad = torch.cat(pad).to(device) if pad else None
         self.target: Optional[torch.Tensor] = None  # the shared decode buffer these views are of
         self.targets: list[torch.Tensor] = []
+        self.before: Optional[torch.Tensor] = None  # fault tolerance: the momentum before this round's fold
+        self.folded: Optional[slice] = None  # what this round folded a gradient into (``before`` holds it)
+
+    def keep(self, first: int = 0, last: Optional[int] = None) -> None:
+        """Copy ``flat[first:last]`` (what the fold is about to change) into ``before``."""
+        if self.before is None:
+            self.before = torch.empty_like(self.flat)
+        self.folded = slice(first, last)
+        self.before[self.folded].copy_(self.flat[self.folded])
+
+    def undo(self) -> None:
+        """Put back what this round's fold changed (nothing if it folded nothing)."""
+        if self.folded is not None and self.before is not None:
+            self.flat[self.folded].copy_(self.before[self.folded])
+        self.folded = None
 
     def target_views(self, target: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``target`` (the decode buffer) laid out as ``views`` are in ``flat``."""
@@ -79,6 +98,17 @@ class Momenta:
             entry = self._entries.pop(key)
             self._loose.update((name, view.clone()) for name, view in zip(key, entry.views))
 
+    def settle(self) -> None:
+        """The round completed: its folds stand."""
+        for entry in self._entries.values():
+            entry.folded = None
+
+    def undo(self) -> None:
+        """The round in flight was abandoned: every momentum it folded a gradient into goes back to
+        what it was before, so the round done again folds it once."""
+        for entry in self._entries.values():
+            entry.undo()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {name: t.clone() for name, t in self._loose.items()}
         for key, entry in self._entries.items():
@@ -93,12 +123,13 @@ class Momenta:
 class DemoState(State):
     """The rank's momenta (rank-local: saved as ``feedback``), each bucket's codec and message buffers, and the shared work buffers."""
 
-    __slots__ = ("momenta", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
+    __slots__ = ("momenta", "keeps", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
 
-    def __init__(self, chunk: int, levels: Optional[TwoLevel] = None) -> None:
+    def __init__(self, chunk: int, levels: Optional[TwoLevel] = None, keeps: bool = False) -> None:
         super().__init__()
         # internal state
         self.momenta = Momenta(chunk)
+        self.keeps = keeps  # fault tolerance: copy each momentum before its fold (``Entry.before``)
         self.levels = levels  # hierarchical: the node layout and its rounds' thread
         self.node_parts: dict[int, NodePart] = {}  # hierarchical, per bucket index: its shard and buffers
         # per bucket index: (its padded length, codec, this rank's message, every rank's [world, nbytes])
@@ -149,7 +180,8 @@ class Demo(Algorithm[DemoState]):
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
     ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer; hierarchical, a float32
-    buffer per bucket the node's rounds run in (+1 P).
+    buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True``, a copy of
+    the momentum taken before each fold (+1 P): a round a failure interrupts starts again from it.
 
     Example::
 
@@ -160,6 +192,9 @@ class Demo(Algorithm[DemoState]):
     name = "demo"
     #: It sends each rank's momentum, which must see every gradient: sparse gradients are refused.
     sparse_gradients: ClassVar[bool] = False
+    # A failure that interrupts a round has it done again from the saved gradients: ``release`` puts
+    # back each momentum the round folded into, so it is folded once. The momentum belongs to the rank.
+    recovery = Recovery(rank_local=("feedback",))
     beta: float = 0.999
     chunk: int = 64
     topk: int = 4
@@ -188,7 +223,7 @@ class Demo(Algorithm[DemoState]):
         levels = None
         if self.hierarchical and replica.distributed:
             levels = TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
-        return DemoState(self.chunk, levels)
+        return DemoState(self.chunk, levels, keeps=replica.fault_tolerant)
 
     def grad_scale(self, replica: Replica, state: DemoState, world_size: int) -> float:
         return 1.0  # the bucket holds this rank's own gradient: it goes into its momentum
@@ -210,6 +245,8 @@ class Demo(Algorithm[DemoState]):
         m = entry.flat
         rows = m.view(-1, self.chunk)
         with torch.no_grad():
+            if state.keeps:
+                entry.keep()
             m.mul_(self.beta)
             torch._foreach_add_(entry.views, list(bucket.views))
             transform_(rows, dt, scratch)  # the coefficients, in place
@@ -219,6 +256,17 @@ class Demo(Algorithm[DemoState]):
                 m.index_fill_(0, entry.pad, 0.0)  # the padding holds no momentum
         work = start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
         return Gathered(work, self, state, bucket, entry, code, everyone)
+
+    def after_backward(self, replica: Replica, state: DemoState) -> None:
+        state.momenta.settle()
+
+    def release(self, replica: Replica, state: DemoState) -> None:
+        """The members changed (or the wrapper is gone): once the node rounds have stopped, each
+        momentum the round in flight folded a gradient into goes back to what it was before, so
+        that the round done again on the new membership folds it once."""
+        super().release(replica, state)
+        with torch.no_grad():
+            state.momenta.undo()
 
     def bucket_wire_bytes(self, replica: Replica, state: DemoState, bucket: Bucket, world_size: int) -> int:
         """This rank's message to every other rank (an all-gather); hierarchical, both legs inside
@@ -266,6 +314,8 @@ class Demo(Algorithm[DemoState]):
             if code is not None and message is not None and everyone is not None:
                 m = entry.flat[first:last]
                 rows = m.view(-1, self.chunk)
+                if state.keeps:
+                    entry.keep(first, last)
                 m.mul_(self.beta).add_(shard, alpha=1.0 / levels.local_size)
                 transform_(rows, dt, state.scratch)
                 code.encode(m, message)
