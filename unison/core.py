@@ -216,7 +216,7 @@ class Core:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
         self.clock = StepClock(self.optimizers)
-        self.hooks = Hooks(self.clock)
+        self.hooks = Hooks(self.clock, weak(self.replaced_step))
         self.reducer: Optional[GradReducer] = None
         self.dispatcher: Optional[Dispatcher] = None
         self.replica = Replica(
@@ -359,6 +359,10 @@ class Core:
         algorithm cannot reduce them (``sparse_gradients = False``), the same on every rank.
         """
         self.remove_reducer()
+        if self.fault.active:
+            # A round's outcome must be known before its step is committed: completion is not deferred
+            # (nonblocking still applies each layer's update at the next forward).
+            options["defers_completion"] = False
         trainable = self.replica.trainable
         sparse = sparse_positions(self.algorithm, trainable, self.replica.modules, sparse_params)
         self.reducer = GradReducer(
@@ -430,15 +434,26 @@ class Core:
 
         Under fault tolerance a step a heal already applied fires nothing, a failure is
         recovered from (its round dropped), and a membership change noticed after the last
-        optimizer's step is taken up there.
+        optimizer's step is taken up there. A step the algorithm replaced is committed where the
+        user called it (``replaced_step``), not here (nonblocking's real steps run layer by layer).
         """
-        if optimizer is self.optimizers[0] and not self.fault.committed():
+        replaced = self.hooks.replaced(optimizer)
+        if not replaced and optimizer is self.optimizers[0] and not self.fault.committed():
             return  # a heal already applied this step
         try:
             self._after_step(optimizer, shadow)
         except Exception as exc:
             if not self.fault.recover(exc, "drop"):
                 raise
+        if not replaced and optimizer is self.optimizers[-1]:
+            self.fault.at_boundary()
+
+    def replaced_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user called a step the algorithm replaced (nonblocking records it, to apply at the
+        next forward): that is the training step fault tolerance commits, and after the last
+        optimizer's a membership change is taken up."""
+        if optimizer is self.optimizers[0]:
+            self.fault.committed()  # False: a heal applied it (its recorded step changes nothing)
         if optimizer is self.optimizers[-1]:
             self.fault.at_boundary()
 

@@ -343,6 +343,10 @@ class FaultTolerance:
         self._recovering = True
         before = set(self._member.members)
         try:
+            if kind != "grad":
+                # A step recorded but not yet applied (nonblocking) is committed: into the weights now,
+                # before the regroup drops the algorithm (inside a gradient round none is recorded).
+                self._apply_recorded(self._guarded())
             while True:
                 try:
                     if regroup:
@@ -531,9 +535,16 @@ class FaultTolerance:
         if local is None:
             for opt in model.core.optimizers:
                 opt.step()
+            self._apply_recorded(model)  # before the gradients go
             for p in params:
                 p.grad = None
             self._swallow = swallow
+
+    def _apply_recorded(self, model: Guarded) -> None:
+        """Apply the optimizer steps the algorithm recorded and has not applied yet
+        (``Recovery.deferred_step``: nonblocking's); its reductions are complete under fault tolerance."""
+        if model.core.algorithm.recovery is not None and recovery(model).deferred_step:
+            model.core.flush()
 
 
 def recovery(model: Guarded) -> algos.Recovery:

@@ -51,10 +51,13 @@ class Hooks:
 
     Args:
         clock: counts a replaced optimizer step when it is called.
+        on_replaced_step: called with the optimizer after a replaced step is called and counted
+            (the training step the user took: fault tolerance commits it there).
     """
 
-    def __init__(self, clock: StepClock) -> None:
+    def __init__(self, clock: StepClock, on_replaced_step: Optional[StepFn] = None) -> None:
         self.clock = clock
+        self.on_replaced_step = on_replaced_step
         self._handles: list[RemovableHandle] = []
         self._patches: list[tuple[Any, str, Any]] = []
         self._scaler_fns: list[Callable[[Any], None]] = []
@@ -77,11 +80,13 @@ class Hooks:
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], zero_grad: Callable[..., Any]
     ) -> tuple[Callable[..., Any], Callable[..., Any]]:
         originals = (optimizer.step, optimizer.zero_grad)
-        clock = self.clock
+        clock, told = self.clock, self.on_replaced_step
 
         def counted_step(opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
             result = step(opt, closure)
             clock.record(opt)
+            if told is not None:
+                told(opt)
             return result
 
         for attr, fn in (("step", counted_step), ("zero_grad", zero_grad)):

@@ -1,7 +1,7 @@
-"""Algorithms on nodes under fault tolerance (issue 29): the hierarchical variants and DASO, whose
-failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed before its reduction, its
-node leaves and the other two go on over the node layout of the new membership. Gradient
-algorithms keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones equal replicas."""
+"""Algorithms on nodes under fault tolerance (issue 29): the hierarchical variants (nonblocking's
+too) and DASO, whose failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed
+before its reduction, its node leaves and the other two go on over the node layout of the new
+membership. Gradient algorithms keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones equal replicas."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def kinds(result: dict) -> list[str]:
     return [kind for _, kind, _ in result["events"]]
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce:hierarchical=True", "bf16:hierarchical=True"])
+@pytest.mark.parametrize(
+    "algorithm", ["allreduce:hierarchical=True", "bf16:hierarchical=True", "nonblocking:hierarchical=True"]
+)
 def test_a_hierarchical_gradient_algorithm_keeps_the_ledger_exact_across_a_node_failure(tmp_path, algorithm):
     code, err, found = launch(tmp_path / "out", NODES, "--algorithm", algorithm, "--kill", "1@10")
     assert code == 0, err[-3000:]

@@ -51,7 +51,9 @@ def kinds(result: dict) -> list[str]:
     return [kind for _, kind, _ in result["events"]]
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "fp16", "bf16", "bytegrad", "bf16:hierarchical=True"])
+@pytest.mark.parametrize(
+    "algorithm", ["allreduce", "fp16", "bf16", "bytegrad", "bf16:hierarchical=True", "nonblocking"]
+)
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_killed_rank_leaves_every_step_applied_exactly_once(tmp_path, algorithm, when):
     code, err, found = launch(tmp_path, "--algorithm", algorithm, "--kill", f"1@10:{when}")
@@ -452,11 +454,12 @@ def test_the_job_s_own_group_may_be_passed_and_a_smaller_one_is_refused(tmp_path
 
 
 def test_an_algorithm_without_recovery_is_refused_at_construction_and_at_a_switch(tmp_path):
-    refused = "fault_tolerant=True does not support algorithm 'nonblocking'"
-    code, err, found = launch(tmp_path / "built", "--algorithm", "nonblocking", steps=4)
+    # no_recovery: allreduce declaring no Recovery, registered by the ledger script.
+    refused = "fault_tolerant=True does not support algorithm 'no_recovery'"
+    code, err, found = launch(tmp_path / "built", "--algorithm", "no_recovery", steps=4)
     assert code != 0 and not found
     assert err.count(refused) == 3, err[-3000:]
-    code, err, found = launch(tmp_path / "switched", "--switch-to", "nonblocking@3", steps=6)
+    code, err, found = launch(tmp_path / "switched", "--switch-to", "no_recovery@3", steps=6)
     assert code != 0 and not found
     assert err.count(refused) == 3, err[-3000:]
     assert "switch_to" in err  # raised by the switch, before the running algorithm stopped
@@ -471,7 +474,7 @@ def test_fault_tolerant_needs_the_launcher_and_a_supported_algorithm():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="unison launch --fault-tolerant"):
         unison.DataParallel(net, optimizer=opt, fault_tolerant=True)
-    assert "nonblocking" not in supported() and {"allreduce", "demo"} <= set(supported())
+    assert {"allreduce", "demo", "nonblocking"} <= set(supported())
 
 
 SAMPLER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_sampler.py"

@@ -207,7 +207,13 @@ def test_the_status_json_shows_a_kill_and_the_members_going_on(launcher):
     job = launcher(nproc=3)
     url = job.status_url()
     job.wait_for("three training workers", lambda: len(job.pids("ready")) == 3)
-    doc = job.wait_for("the first membership", lambda: (d := job.status())["epoch"] >= 1 and d)
+    # The coordinator reads the heartbeats at its own pace: a member's first one may come after its heal.
+    doc = job.wait_for(
+        "the first membership, every heartbeat seen",
+        lambda: (
+            (d := job.status())["epoch"] >= 1 and all(w["last_heartbeat_s_ago"] is not None for w in d["workers"]) and d
+        ),
+    )
     assert doc["job"]["state"] == "running" and doc["job"]["nproc"] == 3 and doc["members"] == [0, 1, 2]
     by_id = {w["id"]: w for w in doc["workers"]}
     assert sorted(w["pid"] for w in by_id.values()) == job.pids()

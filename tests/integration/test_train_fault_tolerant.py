@@ -14,9 +14,18 @@ from typing import Any, Optional
 
 import pytest
 
+import unison.algorithms
+from unison.algorithms.gradient.allreduce import AllReduce
 from unison.apps import cli
 
 LIMIT_S = 120
+
+
+class NoRecovery(AllReduce):
+    """allreduce declaring no Recovery: refused under fault tolerance."""
+
+    name = "no_recovery"
+    recovery = None
 
 
 def train(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Optional[dict[str, Any]]]:
@@ -57,7 +66,7 @@ def test_a_killed_worker_is_replaced_and_the_run_carries_on(tmp_path):
         (["--kill", "1@3"], "--kill needs --fault-tolerant"),
         (["--respawn"], "--respawn needs --fault-tolerant"),
         (["--min-replicas", "2"], "--min-replicas needs --fault-tolerant"),
-        (["--fault-tolerant", "--algorithm", "nonblocking"], "does not support algorithm 'nonblocking'"),
+        (["--fault-tolerant", "--algorithm", "no_recovery"], "does not support algorithm 'no_recovery'"),
         (["--fault-tolerant", "--checkpoint-dir", "ckpt"], "leave out --checkpoint-dir"),
         (["--fault-tolerant", "--max-restarts", "1"], "leave out --checkpoint-dir and --max-restarts"),
         (["--fault-tolerant", "--kill", "1@x"], "write WORKER@STEP"),
@@ -69,7 +78,9 @@ def test_a_killed_worker_is_replaced_and_the_run_carries_on(tmp_path):
         (["--fault-tolerant", "--epochs", "2", "--kill", "1@30"], "the run has 30 steps on 3 workers"),
     ],
 )
-def test_bad_combinations_are_refused_before_anything_starts(capsys, args, words):
+def test_bad_combinations_are_refused_before_anything_starts(capsys, monkeypatch, args, words):
+    # An algorithm declaring no Recovery, known by name for this test only (every built-in declares one).
+    monkeypatch.setitem(unison.algorithms._REGISTERED, NoRecovery.name, NoRecovery)
     started = time.time()
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--nproc", "3", *args])

@@ -25,6 +25,8 @@ so a test can catch the payload on the wire and act while it is there (the heal 
 pieces and would otherwise end between two looks on a loaded machine).
 `--kill-building ID` SIGKILLs worker ID inside its first `DataParallel(...)`, as the gradient
 engine starts building its groups: the others are then inside that group's rendezvous.
+`--algorithm no_recovery` is allreduce declaring no Recovery (refused under fault tolerance).
+The weights are read after `model.flush()` (nonblocking applies the last step at the next forward).
 """
 
 import argparse
@@ -38,6 +40,7 @@ from torch import nn
 
 import unison
 import unison.optim
+from unison.algorithms.gradient.allreduce import AllReduce
 from unison.engine import comm
 from unison.runtime import member
 
@@ -57,6 +60,14 @@ class Ledger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.w * x).sum()
+
+
+@unison.algorithms.register
+class NoRecovery(AllReduce):
+    """allreduce declaring no Recovery: what fault tolerance refuses."""
+
+    name = "no_recovery"
+    recovery = None
 
 
 def at(text):
@@ -193,6 +204,7 @@ def run(args) -> None:
             break
     if args.average_at_end:
         model.average()
+    model.flush()  # a step recorded and not yet applied (nonblocking) goes into the weights
     result = {
         "id": me,
         "w": net.w.detach().tolist(),

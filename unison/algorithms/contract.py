@@ -57,6 +57,12 @@ class Recovery:
         reload_after_heal: after a heal every member loads its own state again, so that what a
             load changes in the next round (low-precision decentralized resends its copies in
             full) changes on every member alike.
+        deferred_step: ``optimizer.step()`` only records the update, which the algorithm applies
+            later in ``flush`` or before (nonblocking: layer by layer at the next forward). The
+            step is committed where it is recorded; under fault tolerance the gradient round
+            completes at the end of backward (its outcome is known before the step is committed),
+            and what is recorded is applied (``flush``, local) before a membership change is
+            settled and after a redone round, so a heal sends every committed step.
 
     Example::
 
@@ -68,6 +74,7 @@ class Recovery:
     rank_local: tuple[str, ...] = ()
     interrupted: str = "drop"
     reload_after_heal: bool = False
+    deferred_step: bool = False
 
     def __post_init__(self) -> None:
         if self.interrupted not in ("drop", "relaunch"):

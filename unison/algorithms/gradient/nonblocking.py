@@ -4,7 +4,9 @@ Gradients are averaged as with "allreduce", but neither the end of backward nor
 ``optimizer.step()`` waits: each layer's update (and ``zero_grad``) is applied
 just before that layer's next forward, once its bucket has arrived, with the
 hyperparameters of the ``step()`` call, so the trajectory equals "allreduce".
-See docs/algorithms.md#nonblocking for what a user must not do meanwhile.
+Under ``fault_tolerant=True`` the reduction completes at the end of backward (a
+failure must be known before the step is committed); the updates still land at
+the next forward. See docs/algorithms.md#nonblocking for what a user must not do meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.utils._pytree
 from torch.optim import Optimizer
 
 from ...replica import Replica
+from ..contract import Recovery
 from .allreduce import AllReduceState, BucketAllReduce
 
 
@@ -50,9 +53,10 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
 
     name = "nonblocking"
     defers_completion = True
-    # No Recovery yet: refused under fault tolerance. Its step() only records the update, which the
-    # optimizer's own step applies layer by layer at the next forward, so the committed step and a
-    # round a failure cuts (some layers updated, others not) are not where fault tolerance counts them.
+    # Under fault tolerance the step is committed when step() records it, the round completes at the
+    # end of backward (a cut round is redone before any layer is updated), and a recorded step is
+    # applied whole before a membership change is settled: every committed step is in the weights.
+    recovery = Recovery(deferred_step=True)
 
     def setup(self, replica: Replica) -> NonBlockingState:
         if not replica.optimizers:
