@@ -124,6 +124,24 @@ def test_every_supported_algorithm_goes_on_with_equal_replicas(tmp_path, algorit
     assert first["w"] == pytest.approx(second["w"], abs=1e-6)
 
 
+def test_powersgd_redoes_a_round_cut_between_buckets_from_the_residuals_before_it(tmp_path):
+    """Two matrices, a bucket each, full-rank gradients (powersgd keeps a residual). Worker 1 dies in
+    step 5's round once its first matrix's bucket is reduced: the survivors finished that bucket (its
+    residual and Q moved on) and broke the next. The round done again on the two of them starts from
+    the residuals and Q's as they were before it, so the run equals one where worker 1 left after
+    step 4; from the moved-on residual the finished bucket's gradient would count twice."""
+    common = ("--algorithm", "powersgd:rank=1,start_iter=2", "--square", "--matrices", "8", "--sleep", "0")
+    killed = launch(tmp_path / "kill", *common, "--kill", "1@5:mid", steps=8)
+    left = launch(tmp_path / "leave", *common, "--leave", "1@4", steps=8)
+    for code, err, found in (killed, left):
+        assert code == 0, err[-3000:]
+        assert {0, 2} <= set(found), err[-3000:]
+    assert "redo" in kinds(killed[2][0])
+    for wid in (0, 2):
+        assert killed[2][wid]["mats"] == pytest.approx(left[2][wid]["mats"], rel=1e-5, abs=1e-5)
+    assert killed[2][0]["mats"] == killed[2][2]["mats"]  # equal replicas
+
+
 def test_diloco_redoes_the_interrupted_outer_step_on_the_survivors(tmp_path):
     """Classic DiLoCo, outer SGD with lr 1: an outer step moves the snapshot by the members' mean
     progress. Worker 1 dies in the third period: its steps 8 and 9 go with it, the outer sync it

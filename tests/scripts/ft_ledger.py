@@ -26,6 +26,11 @@ pieces and would otherwise end between two looks on a loaded machine).
 `--kill-building ID` SIGKILLs worker ID inside its first `DataParallel(...)`, as the gradient
 engine starts building its groups: the others are then inside that group's rendezvous.
 `--algorithm no_recovery` is allreduce declaring no Recovery (refused under fault tolerance).
+`--matrices N` adds two trainable N x N matrices, each in a bucket of its own, whose gradient at step
+s is worker i's (i+1)^2 times a fixed random matrix of s (full rank: powersgd keeps a residual); their
+values are in the result's "mats". `--kill ID@STEP:mid` SIGKILLs worker ID inside step STEP's gradient
+round, right after its first powersgd bucket with a matrix is reduced (on the comm thread): the others
+have that bucket's round done and the next one broken.
 The weights are read after `model.flush()` (nonblocking applies the last step at the next forward).
 """
 
@@ -34,6 +39,7 @@ import json
 import os
 import signal
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -48,9 +54,12 @@ PAD_MOD = 9973
 
 
 class Ledger(nn.Module):
-    def __init__(self, n: int, pad_mb: float = 0.0, joiner: bool = False, origin: int = 0) -> None:
+    def __init__(self, n: int, pad_mb: float = 0.0, joiner: bool = False, origin: int = 0, matrices: int = 0) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.zeros(n))
+        self.mats = nn.ParameterList(
+            [nn.Parameter(torch.zeros(matrices, matrices)) for _ in range(2 if matrices else 0)]
+        )
         if origin:
             self.origin = nn.Parameter(torch.tensor([float(origin)]), requires_grad=False)
         if pad_mb:
@@ -58,8 +67,8 @@ class Ledger(nn.Module):
             pad = torch.arange(int(pad_mb * 2**18), dtype=torch.float32).remainder_(PAD_MOD)
             self.pad = nn.Parameter(pad.fill_(-1.0) if joiner else pad, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.w * x).sum()
+    def forward(self, x: torch.Tensor, *rs: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum() + sum((mat * r).sum() for mat, r in zip(self.mats, rs))
 
 
 @unison.algorithms.register
@@ -68,6 +77,24 @@ class NoRecovery(AllReduce):
 
     name = "no_recovery"
     recovery = None
+
+
+def kill_mid() -> Callable[[], None]:
+    """Patch powersgd so that, once armed (the returned function), this worker SIGKILLs itself
+    right after its next bucket reduction that compresses a matrix (a pause first: what it sent
+    reaches the others)."""
+    from unison.algorithms.gradient.powersgd import PowerSGD
+
+    reduce, armed = PowerSGD._compressed_reduce, []
+
+    def reduce_then_die(self, state, bucket, plan, step):
+        reduce(self, state, bucket, plan, step)
+        if armed and plan.compressed:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    PowerSGD._compressed_reduce = reduce_then_die
+    return lambda: armed.append(True)
 
 
 def at(text):
@@ -99,6 +126,7 @@ def main() -> None:
     p.add_argument("--group", choices=["world", "first-two"], default=None, help="pass this process_group")
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     p.add_argument("--kill-building", type=int, default=None, help="this worker dies building its groups")
+    p.add_argument("--matrices", type=int, default=0, help="two N x N matrices, a bucket each (see above)")
     args = p.parse_args()
     try:
         run(args)
@@ -157,7 +185,9 @@ def run(args) -> None:
     joined = {"id": m.id, "node": m.node, "epoch": m.epoch, "members": m.members, "time": time.time()}
     mark(args, "joined", json.dumps(joined))
     torch.manual_seed(0)
-    net = Ledger(args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0)
+    net = Ledger(
+        args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0, matrices=args.matrices
+    )
     if args.algorithm.startswith("qadam"):
         opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
     else:
@@ -167,10 +197,14 @@ def run(args) -> None:
         group = torch.distributed.group.WORLD
     elif args.group == "first-two":
         group = torch.distributed.new_group([0, 1])
-    model = unison.DataParallel(net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True, process_group=group)
+    cap = {"bucket_cap_mb": args.matrices**2 * 4 / 2**20} if args.matrices else {}  # a matrix per bucket
+    model = unison.DataParallel(
+        net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True, process_group=group, **cap
+    )
     mark(args, "ready", str(model.ft.step))
     me = model.ft.worker_id
     kills = [at(k) for k in args.kill]
+    arm = kill_mid() if any(who == me and when == "mid" for who, _, when in kills) else None
     stops = [at(k) for k in args.stop]
     leave = at(args.leave)
     first_step = model.ft.step
@@ -194,7 +228,14 @@ def run(args) -> None:
         x[s] = float((me + 1) ** 2) if args.square else 1.0
         if args.ramp:
             x[s] *= args.steps - s
-        model(x).backward()
+        rs = [
+            torch.randn(mat.shape, generator=torch.Generator().manual_seed(1000 * s + k))
+            for k, mat in enumerate(net.mats)
+        ]
+        loss = model(x, *[r * float((me + 1) ** 2) for r in rs])
+        if arm is not None and any(who == me and step == s and when == "mid" for who, step, when in kills):
+            arm()
+        loss.backward()
         opt.step()
         for who, step, when in kills:
             if who == me and step == s and when == "after":
@@ -208,6 +249,7 @@ def run(args) -> None:
     result = {
         "id": me,
         "w": net.w.detach().tolist(),
+        "mats": [v for mat in net.mats for v in mat.detach().reshape(-1).tolist()],
         "step": model.ft.step,
         "first_step": first_step,
         "healed": healed,

@@ -2,7 +2,10 @@
 
 Vogels, Karimireddy and Jaggi (NeurIPS 2019): one step of power iteration per backward,
 warm-started from the previous Q, with error feedback; two dependent allreduces per
-bucket, on a CommThread over a private group. See docs/algorithms.md#powersgd.
+bucket, on a CommThread over a private group. Under fault tolerance each bucket's residuals
+and Q's are copied as its round starts (``PowerSGDState.keep``): a round a failure cuts after
+some buckets finished is done again from them, so no gradient counts twice. See
+docs/algorithms.md#powersgd.
 """
 
 from __future__ import annotations
@@ -70,9 +73,11 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 class PowerSGDState(ThreadedState):
     """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
-    __slots__ = ("passes", "residuals", "qs", "plans", "buffers", "levels", "shards")
+    __slots__ = ("passes", "residuals", "qs", "plans", "buffers", "levels", "shards", "keeps", "befores", "kept")
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None, keeps: bool = False
+    ) -> None:
         super().__init__(group, thread)
         self.passes = 0  # synchronized backward passes (saved as "steps")
         self.residuals = FlatState()  # error feedback, per parameter
@@ -83,6 +88,37 @@ class PowerSGDState(ThreadedState):
         # per bucket the offsets of its shards (whole parameters) and this process's parameters [lo, hi)
         self.levels: Optional[TwoLevel] = None
         self.shards: dict[tuple[str, ...], tuple[list[int], int, int]] = {}
+        # fault tolerance: per bucket a copy of its residual as its round started (``befores``, reused),
+        # and the buckets the round in flight started: their residual and their Q's before it
+        self.keeps = keeps
+        self.befores: dict[tuple[str, ...], torch.Tensor] = {}
+        self.kept: dict[tuple[str, ...], tuple[torch.Tensor, dict[str, Optional[torch.Tensor]]]] = {}
+
+    def keep(self, names: Sequence[str], residual: torch.Tensor, compressed: Sequence[str]) -> None:
+        """Copy what a bucket's round is about to change: its residual and its matrices' Q's."""
+        key = tuple(names)
+        before = self.befores.get(key)
+        if before is None or before.shape != residual.shape or before.dtype != residual.dtype:
+            before = self.befores[key] = torch.empty_like(residual)
+        before.copy_(residual)
+        qs = {n: None if n not in self.qs else self.qs[n].clone() for n in compressed}
+        self.kept[key] = (residual, qs)
+
+    def settle(self) -> None:
+        """The round completed: what it changed stands."""
+        self.kept.clear()
+
+    def undo(self) -> None:
+        """The round in flight was abandoned: each bucket it started gets its residual and Q's back,
+        so that the round done again adds each residual once."""
+        for key, (residual, qs) in self.kept.items():
+            residual.copy_(self.befores[key])
+            for name, q in qs.items():
+                if q is None:
+                    self.qs.pop(name, None)
+                else:
+                    self.qs[name] = q
+        self.kept.clear()
 
     def state_dict(self) -> dict[str, Any]:
         qs = {n: q.clone() for n, q in self.qs.items()}
@@ -140,9 +176,11 @@ class PowerSGD(Algorithm[PowerSGDState]):
             if self.hierarchical
             else None
         )
+        keeps = replica.fault_tolerant
         if h is None:
-            return PowerSGDState(*(open_thread(replica, self.name) if replica.distributed else ()))
-        state = PowerSGDState(h.inter, h.thread)
+            group, thread = open_thread(replica, self.name) if replica.distributed else (None, None)
+            return PowerSGDState(group, thread, keeps)
+        state = PowerSGDState(h.inter, h.thread, keeps)
         state.levels, h.thread = h, None  # the levels' thread is the state's
         return state
 
@@ -179,6 +217,15 @@ class PowerSGD(Algorithm[PowerSGDState]):
 
     def after_backward(self, replica: Replica, state: PowerSGDState) -> None:
         state.passes += 1
+        state.settle()
+
+    def release(self, replica: Replica, state: PowerSGDState) -> None:
+        """The members changed (or the wrapper is gone): once the thread has stopped, each bucket
+        the round in flight started gets back its residual and Q's, so that the round done again
+        on the new membership adds each residual once."""
+        super().release(replica, state)
+        with torch.no_grad():
+            state.undo()
 
     def _plan(self, state: PowerSGDState, names: Sequence[str], params: Sequence[torch.Tensor]) -> BucketPlan:
         key = tuple(names)
@@ -227,6 +274,8 @@ class PowerSGD(Algorithm[PowerSGDState]):
     def _compressed_reduce(self, state: PowerSGDState, bucket: Bucket, plan: BucketPlan, step: int) -> None:
         """On the CommThread: add the residuals, exchange P's (with the plain tensors) then Q's, write P Q^T back."""
         residual = state.residuals.get(bucket)
+        if state.keeps:
+            state.keep(bucket.names, residual, [bucket.names[i] for i in plan.compressed])
         bucket.flat.add_(residual)
         views, dtype = bucket.views, work_dtype(bucket.dtype)
         residuals = split(residual, views)
