@@ -212,6 +212,9 @@ FT_BUDGET = {
     # its momentum and messages (1.37 P alone, above), the saved gradients, and the momentum as it was
     # before each fold, which an interrupted round is done again from (+1 P: fault tolerance only)
     "demo": 3.4,
+    # its residual (1 P alone), the saved gradients, and each bucket's residual as its round started,
+    # which a round cut between buckets is done again from (+1 P: fault tolerance only)
+    "powersgd:rank=2,start_iter=2": 3.1,
 }
 
 
