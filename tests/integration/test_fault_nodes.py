@@ -182,6 +182,11 @@ def test_agents_restart_their_node_and_leave_no_orphans(tmp_path):
             agents.append(Process(*agent, *ledger))
         a, b = agents
         boss.find(r"regroup: epoch 1: members \[\d+, \d+, \d+, \d+\]", 60)
+        # Kill once the four have built their models: a death inside DataParallel(...) is
+        # test_fault_tolerance.py's test_a_member_killed_while_the_others_build_their_groups_...
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("ready-*"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         node_of = {}
         for p in out.glob("pid-*"):
             node_of[int(p.name.split("-")[1])] = int(p.read_text())
