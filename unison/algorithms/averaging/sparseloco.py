@@ -39,8 +39,8 @@ class SparseLoCoState(StreamedState):
     message buffers; the step count and the syncs in flight.
 
     Saved: the global weights (shared: equal on every rank) and the error feedback (rank-local:
-    ``feedback``). While a fragment's sync travels, its error feedback as it was before the launch
-    (``before``): a sync abandoned by a membership change starts again from it.
+    ``feedback``). Under fault tolerance, while a fragment's sync travels, its error feedback as it
+    was before the launch (``before``): a sync abandoned by a membership change starts again from it.
     """
 
     __slots__ = (
@@ -147,10 +147,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
 
     Memory: the global weights and the error feedback, in float32 (+2 P for a float32 model),
-    each rank's message (about 0.01 P per rank at the defaults), while a sync travels its
-    fragment's error feedback before the launch (what a sync abandoned by a failure starts again
-    from) and, with a ``delay``, its weights at launch; hierarchical, a float32 buffer the node's
-    rounds run in (+1 P).
+    each rank's message (about 0.01 P per rank at the defaults), under ``fault_tolerant=True``
+    while a sync travels its fragment's error feedback before the launch (what a sync abandoned by
+    a failure starts again from) and, with a ``delay``, its weights at launch; hierarchical, a
+    float32 buffer the node's rounds run in (+1 P).
 
     Example::
 
@@ -223,7 +223,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         mine, everyone = state.messages[f]
         with torch.no_grad():
             at_launch = [p.detach().clone() for p in params] if state.late else None
-            if state.group is not None:  # a sync abandoned starts again from it (``release``)
+            if state.group is not None and replica.fault_tolerant:  # an abandoned sync restarts from it
                 state.before[f] = error.flat.clone()
             buffers = state.buffers if f == len(state.params) - 1 else []
             if state.levels is not None:
