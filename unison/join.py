@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import Core
-from .engine.comm import AsyncBroadcast
+from .engine.comm import AsyncBroadcast, wire_device
 from .runtime import private_group
 
 logger = logging.getLogger("unison")
@@ -244,7 +244,9 @@ class Join:
         hook.flush()
         hook.quiesce()
         world = hook.world_size
-        t = torch.tensor([self.events * world + (world - 1 - hook.rank)], dtype=torch.int64)
+        t = torch.tensor(
+            [self.events * world + (world - 1 - hook.rank)], dtype=torch.int64, device=wire_device(self.group)
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         source = world - 1 - int(t.item()) % world
         with torch.no_grad():
@@ -252,7 +254,7 @@ class Join:
 
     # ---- plumbing ---------------------------------------------------------
     def _exchange(self, active: int, code: int, joined: int) -> tuple[int, int, int]:
-        t = torch.tensor([active, code, joined], dtype=torch.int64)
+        t = torch.tensor([active, code, joined], dtype=torch.int64, device=wire_device(self.group))
         dist.all_reduce(t, group=self.group)
         a, c, j = t.tolist()
         return a, c, j

@@ -227,3 +227,18 @@ def test_a_raise_in_unisons_own_code_is_no_peer_failure():
         with pytest.raises(RuntimeError) as caught:
             fn()
         assert health.is_comm_failure(caught.value) is failure, fn
+
+
+def test_the_backend_init_builds_groups_with():
+    """init()'s backend, under torchrun and under the fault-tolerant launcher alike (which builds
+    every membership's groups with it): NCCL where CUDA is there, gloo otherwise; a bad name or
+    NCCL without a GPU is refused before any group is built."""
+    from unison.runtime.launch import _backend
+
+    assert _backend("gloo", 3) == "gloo"
+    if not torch.cuda.is_available():
+        assert _backend(None, 0) == "gloo"
+        with pytest.raises(ValueError, match="needs CUDA"):
+            _backend("nccl", 0)
+    with pytest.raises(ValueError, match="backend must be"):
+        _backend("", 0)

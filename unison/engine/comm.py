@@ -152,21 +152,35 @@ class AsyncBroadcast:
         self._parts = []
 
 
+#: The devices whose tensors a heal streams raw (others travel inside the pickled skeleton).
+_STREAMED = ("cpu", "cuda")
+
+
+def wire_device(group: Any = None) -> torch.device:
+    """Where ``group``'s point-to-point messages must live: the current GPU under NCCL, the CPU
+    otherwise. A heal stages each piece there (one piece at a time), so its state may be on any
+    device, whatever the backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # Objects travel pickled in uint8 tensors. torch's *_object collectives do the same but read
 # the bytes back through NumPy, which neither torch nor unison requires.
 
 
 def _pickled(obj: Any, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, list[int]]:
     """``obj`` pickled into a uint8 tensor padded to the longest of the group's, and every
-    rank's length (one collective)."""
+    rank's length (one collective). The tensors live on the group's wire device (a GPU under NCCL)."""
     data = pickle.dumps(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size(group))]
-    wait(start(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64), group=group))
+    wire = wire_device(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=wire) for _ in range(group_size(group))]
+    wait(start(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64, device=wire), group=group))
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     if data:
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return padded, lengths
+    return padded.to(wire), lengths
 
 
 def tensor_bytes(t: torch.Tensor, length: Optional[int] = None) -> bytes:
@@ -177,7 +191,7 @@ def tensor_bytes(t: torch.Tensor, length: Optional[int] = None) -> bytes:
 
 
 def _unpickled(t: torch.Tensor, length: int) -> Any:
-    return pickle.loads(tensor_bytes(t, length))
+    return pickle.loads(tensor_bytes(t.cpu(), length))
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
@@ -200,55 +214,53 @@ def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None, dst: int
 def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: int = 0) -> Any:
     """Group rank ``src``'s ``obj`` on every rank (two collectives, no NumPy)."""
     data = pickle.dumps(obj) if dist.get_rank(group) == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    wire = wire_device(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=wire)
     wait(start(dist.broadcast, size, src=src_rank(group, src), group=group))
     t = torch.zeros(int(size.item()), dtype=torch.uint8)
     if data:
         t[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    t = t.to(wire)
     wait(start(dist.broadcast, t, src=src_rank(group, src), group=group))
     return _unpickled(t, t.numel())
 
 
 class _TensorsApart(pickle.Pickler):
-    """Pickles everything but CPU tensors, which it lists apart (their bytes travel raw)."""
+    """Pickles everything but the dense CPU and CUDA tensors, which it lists apart (their bytes
+    travel raw, in pieces, whatever the device: see ``_send_pieces``)."""
 
     def __init__(self, file: Any, names: Optional[dict[int, str]] = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []  # the raw stream's segments, alignment padding included
-        self.raw: list[torch.Tensor] = []  # each tensor's bytes, in order (no padding)
-        self.size = 0
+        self.raw: list[torch.Tensor] = []  # each tensor's bytes, in order, on its own device
         self._names = names or {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.layout != torch.strided:
+        if not isinstance(obj, torch.Tensor) or obj.device.type not in _STREAMED or obj.layout != torch.strided:
             return None
         if obj.is_quantized or obj.requires_grad or obj.dtype.is_complex:
             return None
         flat = obj.detach().contiguous().reshape(-1).view(torch.uint8)
-        offset, pad = self.size, -flat.numel() % 16  # every tensor starts aligned (a view needs it)
-        self.tensors += [flat, torch.zeros(pad, dtype=torch.uint8)] if pad else [flat]
         self.raw.append(flat)
-        self.size += flat.numel() + pad
-        return (offset, flat.numel(), obj.dtype, tuple(obj.shape), self._names.get(id(obj)))
+        return (flat.numel(), obj.dtype, tuple(obj.shape), self._names.get(id(obj)), obj.device.type)
 
 
 class _TensorsFrom(pickle.Unpickler):
-    """Unpickles ``_TensorsApart``'s skeleton, each tensor made empty in its own memory and listed
-    (``segments``: its offset in the raw stream, its bytes) for the stream to fill."""
+    """Unpickles ``_TensorsApart``'s skeleton, each tensor made empty (on the receiver's own device
+    of the sender's type: its current GPU for a CUDA tensor) and listed in ``tensors``, its bytes,
+    for the stream to fill."""
 
     def __init__(self, file: Any, into: Optional[dict[str, torch.Tensor]] = None) -> None:
         super().__init__(file)
-        self.segments: list[tuple[int, torch.Tensor]] = []
         self.tensors: list[torch.Tensor] = []  # each tensor's bytes, in order
         self._into = into or {}
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        offset, size, dtype, shape, name = pid
+        _, dtype, shape, name, kind = pid
         t = self._into.get(name) if name is not None else None
-        if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu" or not t.is_contiguous():
-            t = torch.empty(shape, dtype=dtype)
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != kind or not t.is_contiguous():
+            device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+            t = torch.empty(shape, dtype=dtype, device=device)
         flat = t.detach().reshape(-1).view(torch.uint8)
-        self.segments.append((offset, flat))
         self.tensors.append(flat)
         return t
 
@@ -313,15 +325,17 @@ def _send_pieces(
 ) -> None:
     """Send the pieces numbered ``mine`` (of ``pieces``, ``_pieces`` of ``tensors``) to every
     receiver, at most ``HEAL_WINDOW`` per receiver in flight: a piece of one tensor straight from
-    its memory, a packed one through a staging copy of at most ``STAGING_BYTES``."""
+    its memory, a packed one (or one on another device than the wire's) through a staging copy of
+    at most ``STAGING_BYTES``."""
+    wire = wire_device(group)
     flight: collections.deque = collections.deque()
     for k in mine:
         piece = pieces[k]
         if len(piece) == 1:
             i, b, e = piece[0]
-            data = tensors[i][b:e]
+            data = tensors[i][b:e].to(wire)  # itself where it is on the wire's device
         else:
-            data = torch.cat([tensors[i][b:e] for i, b, e in piece])
+            data = torch.cat([tensors[i][b:e].to(wire) for i, b, e in piece])
         for r in receivers:
             flight.append(_p2p(True, data, r, group, tag=PIECE_TAG + k))
         while len(flight) > HEAL_WINDOW * len(receivers):
@@ -333,7 +347,9 @@ def _send_pieces(
 def _receive_pieces(tensors: list[torch.Tensor], sources: list[int], group: Any) -> None:
     """Receive every piece (``_pieces`` of ``tensors``), piece k from ``sources[k % len(sources)]``,
     at most ``HEAL_WINDOW`` per source in flight: a piece of one tensor straight into its memory,
-    a packed one into a staging buffer copied out once it has arrived."""
+    a packed one (or one of a tensor on another device than the wire's) into a staging buffer
+    copied out once it has arrived."""
+    wire = wire_device(group)
     pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
     flight: collections.deque = collections.deque()
 
@@ -346,11 +362,11 @@ def _receive_pieces(tensors: list[torch.Tensor], sources: list[int], group: Any)
             at += e - b
 
     for k, piece in enumerate(pieces):
-        if len(piece) == 1:
+        if len(piece) == 1 and tensors[piece[0][0]].device == wire:
             i, b, e = piece[0]
             into, staging = tensors[i][b:e], None
         else:
-            staging = torch.empty(sum(e - b for _, b, e in piece), dtype=torch.uint8)
+            staging = torch.empty(sum(e - b for _, b, e in piece), dtype=torch.uint8, device=wire)
             into = staging
         flight.append((_p2p(False, into, sources[k % len(sources)], group, tag=PIECE_TAG + k), piece, staging))
         while len(flight) > HEAL_WINDOW * len(sources):
@@ -374,7 +390,8 @@ def share_state(
     """``obj`` of the group ranks ``sources`` (which hold the same state) on the ranks ``receivers``,
     point to point, in shards from every source at once, streamed: the fault-tolerant heal.
 
-    The first source sends the pickled skeleton (everything but the CPU tensors, and their shapes);
+    The first source sends the pickled skeleton (everything but the CPU and CUDA tensors, and their
+    shapes);
     the tensors' bytes are cut into pieces of at most ``STAGING_BYTES`` (``_pieces``), piece k sent
     by ``sources[k % len(sources)]`` to every receiver. A big tensor's pieces go from the source's
     memory into the receiver's (its new tensors, or ``into``'s); small tensors are packed, so
@@ -396,6 +413,7 @@ def share_state(
         >>> state = share_state(own if rank in (0, 1) else None, sources=[0, 1], receivers=[2])
     """
     rank = dist.get_rank(group)
+    wire = wire_device(group)  # the header and skeleton travel there too (CUDA under NCCL)
     if rank in sources:
         buffer = io.BytesIO()
         pickler = _TensorsApart(buffer, names)
@@ -403,13 +421,19 @@ def share_state(
         tensors = pickler.raw
         lead = rank == sources[0]
         skeleton = buffer.getvalue() if lead else b""
-        header = torch.cat([torch.tensor([len(skeleton)], dtype=torch.int64), _layout(tensors)])
+        header = torch.cat([torch.tensor([len(skeleton)], dtype=torch.int64), _layout(tensors)]).to(wire)
         works = []
         for r in receivers:
             works.append(_p2p(True, header, r, group, tag=HEADER_TAG))
             if skeleton:
                 works.append(
-                    _p2p(True, torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), r, group, tag=SKELETON_TAG)
+                    _p2p(
+                        True,
+                        torch.frombuffer(bytearray(skeleton), dtype=torch.uint8).to(wire),
+                        r,
+                        group,
+                        tag=SKELETON_TAG,
+                    )
                 )
         for work in works:
             wait(work, p2p=True)
@@ -419,13 +443,14 @@ def share_state(
         return obj
     if rank not in receivers:
         return obj
-    headers = [torch.empty(4, dtype=torch.int64) for _ in sources]
+    headers = [torch.empty(4, dtype=torch.int64, device=wire) for _ in sources]
     for work in [_p2p(False, h, s, group, tag=HEADER_TAG) for h, s in zip(headers, sources)]:
         wait(work, p2p=True)
-    head = torch.empty(int(headers[0][0]), dtype=torch.uint8)
+    headers = [h.cpu() for h in headers]
+    head = torch.empty(int(headers[0][0]), dtype=torch.uint8, device=wire)
     if head.numel():
         wait(_p2p(False, head, sources[0], group, tag=SKELETON_TAG), p2p=True)
-    loader = _TensorsFrom(io.BytesIO(tensor_bytes(head, head.numel())), into)
+    loader = _TensorsFrom(io.BytesIO(tensor_bytes(head.cpu(), head.numel())), into)
     out = loader.load()
     layout = _layout(loader.tensors)
     for s, h in zip(sources, headers):

@@ -274,6 +274,24 @@ def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store
     return dist.PrefixStore(f"unison/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", client)
 
 
+def _backend(backend: Optional[str], local_rank: int) -> str:
+    """The backend ``init`` builds groups with: ``backend``, or NCCL where CUDA is there and gloo
+    otherwise. NCCL puts this process on GPU ``local_rank`` (modulo the GPUs it sees)."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(
+            f"backend must be a torch.distributed backend's name such as 'gloo' or 'nccl', got {backend!r}"
+        )
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "backend='nccl' needs CUDA, and torch sees no GPU here: use backend='gloo' (or leave it out)"
+            )
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return backend
+
+
 def init(
     backend: Optional[str] = None, timeout: Optional[float | datetime.timedelta] = None, nodes: Optional[int] = None
 ) -> Topology:
@@ -281,7 +299,8 @@ def init(
 
     Args:
         backend: "gloo", "nccl" or any torch backend; default nccl when CUDA is
-            available, gloo otherwise.
+            available, gloo otherwise. Under ``unison launch --fault-tolerant`` every
+            membership's groups are built with it. "nccl" without CUDA raises ValueError.
         timeout: seconds (or a timedelta) a collective may wait for a silent
             peer before failing with an error naming it; default 10 minutes
             (``DEFAULT_TIMEOUT``; torch's own is 30). Only for groups unison creates.
@@ -304,9 +323,10 @@ def init(
     _timeout = timeout
 
     if member.launched() and not dist.is_initialized():  # under `unison launch --fault-tolerant`
-        _topology = topo = Topology(launcher="unison-ft", backend="gloo")
+        backend = _backend(backend, int(os.environ.get("LOCAL_RANK", "0")))
+        _topology = topo = Topology(launcher="unison-ft", backend=backend)
         try:
-            member.connect_with(_follow_membership)  # which fills it in, and again at every regroup
+            member.connect_with(_follow_membership, backend=backend)  # fills it in, again at every regroup
         except BaseException:
             _topology = None
             raise
@@ -325,10 +345,7 @@ def init(
         rank, world = info.rank, info.world_size
         local_rank, local_world = info.local_rank, info.local_world_size
         launcher = info.launcher
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        backend = _backend(backend, local_rank)
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
         store = _attempt_store(timeout)

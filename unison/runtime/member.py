@@ -175,8 +175,13 @@ class MembershipChanged(RuntimeError):
     """The job's membership changed while this worker waited on a collective of the old one."""
 
 
-def build_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """``init_process_group("gloo")`` over ``store``, which a failed attempt leaves ready for the next.
+def build_world(
+    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, backend: str = "gloo"
+) -> None:
+    """``init_process_group(backend)`` over ``store``, which a failed attempt leaves ready for the next.
+
+    ``backend`` is the one ``launch.init`` chose (NCCL on CUDA, gloo otherwise): every membership's
+    groups are built with it, by the same code whatever it is.
 
     torch names an unnamed default group by a per-process count of groups made, reset only when
     the default group is destroyed; a build that fails has counted, and has nothing to destroy.
@@ -185,7 +190,7 @@ def build_world(store: dist.Store, rank: int, world_size: int, timeout: datetime
     of "the group could not be built" for good).
     """
     try:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except RuntimeError:
         if not dist.is_initialized():
             dist.distributed_c10d._world.group_count = 0
@@ -208,6 +213,7 @@ class Member:
         node: this worker's node (the launcher or agent sets ``UNISON_FT_NODE``; None: a node of
             its own, a fresh id). The node's processes fail, leave and come back together.
         local_rank, local_world_size: this worker's place in its node, and the node's size.
+        backend: the backend every membership's groups are built with ("gloo", "nccl", ...).
     """
 
     def __init__(
@@ -218,8 +224,10 @@ class Member:
         node: Optional[int] = None,
         local_rank: int = 0,
         local_world_size: int = 1,
+        backend: str = "gloo",
     ) -> None:
         timeout = datetime.timedelta(seconds=30)
+        self.backend = backend
         self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         # One client per blocking wait, and one for the heartbeat: a client runs one request at a time.
         self._watch_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
@@ -507,7 +515,7 @@ class Member:
             rank = doc["members"].index(self.id)
             store = dist.PrefixStore(f"ft/pg/{epoch}/", self.store)
             try:
-                build_world(store, rank, len(doc["members"]), RENDEZVOUS_TIMEOUT)
+                build_world(store, rank, len(doc["members"]), RENDEZVOUS_TIMEOUT, self.backend)
                 _backstop(dist.group.WORLD)
                 self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
                 for hook in self.after_regroup:  # the node groups of the topology (launch.init)
@@ -598,10 +606,11 @@ def connect() -> Member:
     return connect_with()
 
 
-def connect_with(*after_regroup: Any) -> Member:
+def connect_with(*after_regroup: Any, backend: str = "gloo") -> Member:
     """``connect()``, with functions to call after every regroup of this worker, the first one
     included (its Member as argument): they run inside the regroup, and a failure of theirs is
-    one of the regroup's (the same members are asked for again)."""
+    one of the regroup's (the same members are asked for again). ``backend``: the backend of every
+    membership's groups."""
     global _member
     if _member is None:
         env = os.environ
@@ -620,6 +629,7 @@ def connect_with(*after_regroup: Any) -> Member:
             None if node is None else int(node),
             local_rank,
             local_world,
+            backend,
         )
         _member = member  # before its first group: groups built for it are its membership's (new_group)
         member.after_regroup.extend(after_regroup)
