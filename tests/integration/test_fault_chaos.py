@@ -393,9 +393,7 @@ def chaos(job: Job, rng: random.Random, seconds: float) -> list[tuple[float, int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "algorithm, procs_per_node", [("allreduce", 1), ("bytegrad", 1), ("local_sgd", 1), ("allreduce", 2)]
-)
+@pytest.mark.parametrize("algorithm, procs_per_node", [("bytegrad", 1), ("local_sgd", 1), ("allreduce", 2)])
 def test_chaos_random_kills_and_stops_for_40_s_leave_exact_ledgers(tmp_path, algorithm, procs_per_node):
     """3 workers (or 3 nodes of 2) with --respawn; for 40 s a random worker is SIGKILLed or SIGSTOPped
     every 3 +- 1 s (on nodes it takes its node out, and the node comes back whole). Then the job runs

@@ -55,6 +55,18 @@ def test_a_killed_process_takes_its_node_out_and_the_node_comes_back_whole(tmp_p
     assert "respawn: node 3: workers [6, 7] started (replacement 1)" in err
 
 
+def test_a_process_killed_while_the_nodes_build_their_groups_is_a_failure_not_a_hang(tmp_path):
+    """2 nodes x 2: worker 2 dies inside unison.init() as the node groups are built (the others wait
+    in those groups' rendezvous for it). They used to wait out torch's default timeout (30 minutes:
+    a CI failure); now the build fails in seconds, node 1 is taken out and node 0 trains on."""
+    code, err, found = launch(tmp_path / "out", ("--nodes", "2", "--procs-per-node", "2"), "--kill-node-groups", "2")
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [0, 1], err[-3000:]
+    for result in found.values():
+        assert result["step"] == 40 and result["world"] == 2 and result["w"] == [-1.0] * 40
+    assert "node 1 taken out (worker 2 exited with -9)" in err
+
+
 def test_a_stopped_process_gets_its_node_evicted_within_2_5_s(tmp_path):
     """SIGSTOP worker 3 (node 1 of 2 nodes x 2): its heartbeat stands still, the coordinator evicts
     node 1 and stops worker 2 with it; node 0 regroups alone within 2.5 s of the stop."""

@@ -25,6 +25,8 @@ so a test can catch the payload on the wire and act while it is there (the heal 
 pieces and would otherwise end between two looks on a loaded machine).
 `--kill-building ID` SIGKILLs worker ID inside its first `DataParallel(...)`, as the gradient
 engine starts building its groups: the others are then inside that group's rendezvous.
+`--kill-node-groups ID` SIGKILLs worker ID inside `unison.init()`, as it starts building its node
+groups (nodes of several processes): the others are then inside those groups' rendezvous.
 `--algorithm no_recovery` is allreduce declaring no Recovery (refused under fault tolerance).
 `--matrices N` adds two trainable N x N matrices, each in a bucket of its own, whose gradient at step
 s is worker i's (i+1)^2 times a fixed random matrix of s (full rank: powersgd keeps a residual); their
@@ -48,6 +50,7 @@ import unison
 import unison.optim
 from unison.algorithms.gradient.allreduce import AllReduce
 from unison.engine import comm
+from unison.runtime import launch as launch_module
 from unison.runtime import member
 
 PAD_MOD = 9973
@@ -126,6 +129,7 @@ def main() -> None:
     p.add_argument("--group", choices=["world", "first-two"], default=None, help="pass this process_group")
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     p.add_argument("--kill-building", type=int, default=None, help="this worker dies building its groups")
+    p.add_argument("--kill-node-groups", type=int, default=None, help="this worker dies building its node groups")
     p.add_argument("--matrices", type=int, default=0, help="two N x N matrices, a bucket each (see above)")
     args = p.parse_args()
     try:
@@ -174,12 +178,23 @@ def kill_building() -> None:
     comm.private_group = die
 
 
+def kill_node_groups() -> None:
+    """SIGKILL this worker when init() starts building its node groups."""
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    launch_module._subgroups = die
+
+
 def run(args) -> None:
     mark(args, "pid", os.environ.get("UNISON_FT_ID", "?"))
     if args.slow_heal:
         slow_heal(args.slow_heal)
     if args.kill_building is not None and os.environ.get("UNISON_FT_ID") == str(args.kill_building):
         kill_building()
+    if args.kill_node_groups is not None and os.environ.get("UNISON_FT_ID") == str(args.kill_node_groups):
+        kill_node_groups()
     unison.init()
     m = member.active()
     joined = {"id": m.id, "node": m.node, "epoch": m.epoch, "members": m.members, "time": time.time()}

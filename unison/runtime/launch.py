@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -235,11 +235,25 @@ def _apply_simulated_nodes(
     return rank % local_world, local_world
 
 
+def _subgroups(topo: Topology, enumeration: list[list[int]]) -> tuple[Any, list[Any]]:
+    """``dist.new_subgroups_by_enumeration``, each group built through ``member.new_group``: under
+    fault tolerance with the short rendezvous timeout and destroyed with its membership, so a peer
+    that died before the build makes it fail in seconds (a failure, then a regroup), never waits
+    out torch's default timeout (30 minutes)."""
+    mine, every = None, []
+    for ranks in enumeration:
+        group = member.new_group(lambda t, ranks=ranks: dist.new_group(ranks=ranks, timeout=t), _timeout)
+        every.append(group)
+        if topo.rank in ranks:
+            mine = group
+    return mine, every
+
+
 def _build_groups(topo: Topology) -> None:
     """Create the intra- and inter-node groups; every rank must call this."""
     lws, nodes = topo.local_world_size, topo.num_nodes
-    intra, _ = dist.new_subgroups_by_enumeration([topo.node_ranks(n) for n in range(nodes)])
-    inter, all_inter = dist.new_subgroups_by_enumeration([topo.peer_ranks(lr) for lr in range(lws)])
+    intra, _ = _subgroups(topo, [topo.node_ranks(n) for n in range(nodes)])
+    inter, all_inter = _subgroups(topo, [topo.peer_ranks(lr) for lr in range(lws)])
     topo.intra_node_group = intra
     topo.inter_node_group = inter
     topo.inter_node_groups = all_inter

@@ -591,6 +591,8 @@ def new_group(build: Any, timeout: Optional[datetime.timedelta]) -> Any:
     if _member is None:
         return build(timeout)
     group = build(RENDEZVOUS_TIMEOUT)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # a group of others (every rank builds every group)
+        return group
     _backstop(group)
     _member.groups.append(group)  # destroyed with its membership (Member._abandon)
     return group
