@@ -200,6 +200,7 @@ def main(argv=None) -> int:
         cuda = f"{e['cuda_P']:7.2f}" if "cuda_P" in e else f"{'-':>7}"
         print(f"{spec:34} {e['live_P']:7.2f} {e['rss_P']:7.2f} {e['peak_P']:9.2f} {e['construct_P']:9.2f} {cuda}")
     config = {
+        "command": " ".join(["python", "benchmarks/bench_memory.py", *sys.argv[1:]]),
         "steps": args.steps,
         "batch": args.batch,
         "nodes": args.nodes,
