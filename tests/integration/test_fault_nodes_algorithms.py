@@ -1,7 +1,8 @@
-"""Algorithms on nodes under fault tolerance (issue 29): the hierarchical variants (nonblocking's
-too) and DASO, whose failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed
-before its reduction, its node leaves and the other two go on over the node layout of the new
-membership. Gradient algorithms keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones equal replicas."""
+"""Algorithms on nodes under fault tolerance (issue 29): the hierarchical variants of the gradient
+algorithms (nonblocking's too; fp16 shares bf16's code) and of the averaging ones, and DASO, whose
+failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed before its reduction, its
+node leaves and the other two go on over the node layout of the new membership. Gradient algorithms
+keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones (and qadam) equal replicas."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ def kinds(result: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "algorithm", ["allreduce:hierarchical=True", "bf16:hierarchical=True", "nonblocking:hierarchical=True"]
+    "algorithm",
+    [
+        "allreduce:hierarchical=True",
+        "bf16:hierarchical=True",
+        "bytegrad:hierarchical=True",
+        "powersgd:hierarchical=True",
+        "nonblocking:hierarchical=True",
+    ],
 )
 def test_a_hierarchical_gradient_algorithm_keeps_the_ledger_exact_across_a_node_failure(tmp_path, algorithm):
     code, err, found = launch(tmp_path / "out", NODES, "--algorithm", algorithm, "--kill", "1@10")
@@ -32,8 +40,12 @@ def test_a_hierarchical_gradient_algorithm_keeps_the_ledger_exact_across_a_node_
         assert result["topology"] == [rank % 2, 2, rank // 2]  # two nodes of two: the levels have two nodes
 
 
-@pytest.mark.parametrize("algorithm", ["diloco:hierarchical=True", "local_sgd:hierarchical=True,period=4", "daso"])
+@pytest.mark.parametrize(
+    "algorithm", ["diloco:hierarchical=True", "local_sgd:hierarchical=True,period=4", "daso", "qadam:hierarchical=True"]
+)
 def test_a_node_aware_averaging_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
+    """Equal replicas and a finished run (qadam's Adam step makes no ledger: its weights are checked
+    equal, as its flat form's in test_fault_tolerance.py)."""
     code, err, found = launch(tmp_path / "out", NODES, "--algorithm", algorithm, "--kill", "1@10", "--average-at-end")
     assert code == 0, err[-3000:]
     assert sorted(found) == [2, 3, 4, 5], err[-3000:]
