@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..runtime import member
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
+from ..runtime.launch import wire_device  # noqa: F401  (re-exported)
 from .buckets import MB
 from .flat import by_kind
 
@@ -152,19 +153,6 @@ class AsyncBroadcast:
         self._parts = []
 
 
-#: The devices whose tensors a heal streams raw (others travel inside the pickled skeleton).
-_STREAMED = ("cpu", "cuda")
-
-
-def wire_device(group: Any = None) -> torch.device:
-    """Where ``group``'s point-to-point messages must live: the current GPU under NCCL, the CPU
-    otherwise. A heal stages each piece there (one piece at a time), so its state may be on any
-    device, whatever the backend."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # Objects travel pickled in uint8 tensors. torch's *_object collectives do the same but read
 # the bytes back through NumPy, which neither torch nor unison requires.
 
@@ -225,6 +213,10 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None, src: i
     return _unpickled(t, t.numel())
 
 
+#: The devices whose tensors a heal streams raw (others travel inside the pickled skeleton).
+_STREAMED = ("cpu", "cuda")
+
+
 class _TensorsApart(pickle.Pickler):
     """Pickles everything but the dense CPU and CUDA tensors, which it lists apart (their bytes
     travel raw, in pieces, whatever the device: see ``_send_pieces``)."""
@@ -241,7 +233,7 @@ class _TensorsApart(pickle.Pickler):
             return None
         flat = obj.detach().contiguous().reshape(-1).view(torch.uint8)
         self.raw.append(flat)
-        return (flat.numel(), obj.dtype, tuple(obj.shape), self._names.get(id(obj)), obj.device.type)
+        return (obj.dtype, tuple(obj.shape), self._names.get(id(obj)), obj.device.type)
 
 
 class _TensorsFrom(pickle.Unpickler):
@@ -255,7 +247,7 @@ class _TensorsFrom(pickle.Unpickler):
         self._into = into or {}
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        _, dtype, shape, name, kind = pid
+        dtype, shape, name, kind = pid
         t = self._into.get(name) if name is not None else None
         if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != kind or not t.is_contiguous():
             device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
@@ -322,12 +314,12 @@ def _send_pieces(
     mine: list[int],
     receivers: list[int],
     group: Any,
+    wire: torch.device,
 ) -> None:
     """Send the pieces numbered ``mine`` (of ``pieces``, ``_pieces`` of ``tensors``) to every
     receiver, at most ``HEAL_WINDOW`` per receiver in flight: a piece of one tensor straight from
     its memory, a packed one (or one on another device than the wire's) through a staging copy of
-    at most ``STAGING_BYTES``."""
-    wire = wire_device(group)
+    at most ``STAGING_BYTES``. ``wire``: the group's ``wire_device``."""
     flight: collections.deque = collections.deque()
     for k in mine:
         piece = pieces[k]
@@ -344,12 +336,11 @@ def _send_pieces(
         wait(flight.popleft(), p2p=True)
 
 
-def _receive_pieces(tensors: list[torch.Tensor], sources: list[int], group: Any) -> None:
+def _receive_pieces(tensors: list[torch.Tensor], sources: list[int], group: Any, wire: torch.device) -> None:
     """Receive every piece (``_pieces`` of ``tensors``), piece k from ``sources[k % len(sources)]``,
     at most ``HEAL_WINDOW`` per source in flight: a piece of one tensor straight into its memory,
     a packed one (or one of a tensor on another device than the wire's) into a staging buffer
-    copied out once it has arrived."""
-    wire = wire_device(group)
+    copied out once it has arrived. ``wire``: the group's ``wire_device``."""
     pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
     flight: collections.deque = collections.deque()
 
@@ -439,7 +430,7 @@ def share_state(
             wait(work, p2p=True)
         pieces = _pieces([t.numel() for t in tensors], STAGING_BYTES)
         mine = list(range(list(sources).index(rank), len(pieces), len(sources)))
-        _send_pieces(tensors, pieces, mine, list(receivers), group)
+        _send_pieces(tensors, pieces, mine, list(receivers), group, wire)
         return obj
     if rank not in receivers:
         return obj
@@ -459,7 +450,7 @@ def share_state(
                 f"the heal's sources hold states of different layouts (rank {s}: {h[1:].tolist()}, rank "
                 f"{sources[0]}: {layout.tolist()}); they were taken for replicas of the same state"
             )
-    _receive_pieces(loader.tensors, list(sources), group)
+    _receive_pieces(loader.tensors, list(sources), group, wire)
     return out
 
 

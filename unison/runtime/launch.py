@@ -261,8 +261,7 @@ def _build_groups(topo: Topology) -> None:
 
 def _local_sizes(local_world: int) -> tuple[int, ...]:
     """Every rank's local world size (one all_gather over the world): nodes may differ."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    mine = torch.tensor([local_world], dtype=torch.int64, device=device)
+    mine = torch.tensor([local_world], dtype=torch.int64, device=wire_device())
     sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, mine)
     return tuple(int(s.item()) for s in sizes)
@@ -304,6 +303,15 @@ def _backend(backend: Optional[str], local_rank: int) -> str:
             )
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return backend
+
+
+def wire_device(group: Any = None) -> torch.device:
+    """Where ``group``'s collectives and point-to-point messages must live: the current GPU under
+    NCCL, the CPU otherwise. A heal stages each piece there (one piece at a time), so its state may
+    be on any device, whatever the backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init(
