@@ -14,6 +14,7 @@ keywords and checks in ``unison.ddp_keywords``, torch's comm-hook contract in
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import warnings
@@ -45,6 +46,26 @@ __all__ = ["ALGORITHM_KEY", "DataParallel"]
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
 logger = logging.getLogger("unison")
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` kept out of torch.compile: traced, a call to it runs eagerly between the module's
+    graphs (``torch.compiler.disable``); otherwise it is a plain call. The disabled function is
+    made at the first traced call, as torch DDP's ``torch._disable_dynamo`` makes it: decorating
+    with ``torch.compiler.disable`` would import torch._dynamo (and sympy) into every process
+    that imports unison, 2-3 s at start and about 1 s at exit, compiled or not."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        disabled = getattr(fn, "_unison_disabled", None)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+            fn._unison_disabled = disabled  # type: ignore[attr-defined]
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 class DataParallel(nn.Module):
@@ -89,8 +110,10 @@ class DataParallel(nn.Module):
         ft_offload: with ``fault_tolerant=True``, keep the one copy fault
             tolerance adds (each member's local gradients of the round in
             flight, to redo it after a failure) in host memory, pinned under
-            CUDA, rather than on the parameters' device (default False; the
-            same values, one device copy less, a device-to-host copy per step).
+            CUDA, rather than on the parameters' device, and with it what an
+            algorithm copies for the same redo (demo's momentum, powersgd's
+            residuals before their round); default False. The same values,
+            those copies off the device, a device-to-host copy per step.
         **ddp_kwargs: torch DDP's other keywords, with torch's meaning
             (``unison.ddp_keywords``): ``device_ids`` (one GPU; inputs are moved
             there), ``output_device``, ``dim``, ``init_sync`` (False: no initial
@@ -423,7 +446,7 @@ class DataParallel(nn.Module):
     # Under torch.compile the wrapper's bookkeeping runs eagerly, between the module's graphs
     # (as torch DDP's pre- and post-forward do): traced, its counters would be guarded on and
     # the forward recompiled at every step, and the reducer's autograd hooks cannot be traced.
-    @torch.compiler.disable
+    @_eager
     def _before_module(self) -> bool:
         """Join's announcement, the debug check, the algorithm's before-forward, the engine's
         pass; True if the output is to be watched for the synchronized backward."""
@@ -441,7 +464,7 @@ class DataParallel(nn.Module):
             reducer.prepare(self._require_sync)
             return self._require_sync
 
-    @torch.compiler.disable
+    @_eager
     def _after_module(self, output: Any, watch: bool) -> Any:
         with self._core.entry("forward"):
             reducer = self._core.reducer
