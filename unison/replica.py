@@ -42,6 +42,9 @@ class Wiring(Protocol):
     @property
     def fault_tolerant(self) -> bool: ...
 
+    @property
+    def saved_on_host(self) -> bool: ...
+
 
 class Standalone:
     """The wiring of a Replica with no wrapper (unit tests): no engine, fresh hooks and clock."""
@@ -52,6 +55,7 @@ class Standalone:
         self.clock = StepClock(optimizers)
         self.hooks = Hooks(self.clock)
         self.fault_tolerant = False
+        self.saved_on_host = False
 
 
 class Replica:
@@ -134,6 +138,13 @@ class Replica:
         """Whether failures are recovered from (``DataParallel(fault_tolerant=True)``): an interrupted
         gradient round is then done again, and an algorithm keeps what it needs to do it once."""
         return self._wiring.fault_tolerant
+
+    @property
+    def saved_on_host(self) -> bool:
+        """Whether what fault tolerance keeps to redo a round lives in host memory
+        (``DataParallel(ft_offload=True)``): an algorithm's own copies for it go there too
+        (``unison.engine.offload.empty_like``)."""
+        return self._wiring.saved_on_host
 
     # ---- where it talks ----------------------------------------------------------
     @property

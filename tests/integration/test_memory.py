@@ -212,9 +212,11 @@ FT_BUDGET = {
     # its momentum and messages (1.37 P alone, above), the saved gradients, and the momentum as it was
     # before each fold, which an interrupted round is done again from (+1 P: fault tolerance only)
     "demo": 3.4,
+    "demo+offload": 3.4,
     # its residual (1 P alone), the saved gradients, and each bucket's residual as its round started,
     # which a round cut between buckets is done again from (+1 P: fault tolerance only)
     "powersgd:rank=2,start_iter=2": 3.1,
+    "powersgd:rank=2,start_iter=2+offload": 3.1,
 }
 
 
@@ -234,4 +236,12 @@ def test_fault_tolerance_keeps_one_copy_of_the_gradients_at_most(tmp_path):
         for spec, budget in FT_BUDGET.items():
             assert found["overheads"][spec] <= budget, f"{spec} under fault tolerance keeps {found['overheads']} P"
         assert found["overheads"]["allreduce"] >= 0.9  # the saved gradients are there: the budget measures them
-        assert found["same_as_on_device"] == {"allreduce+offload": True}
+        offloaded = [spec for spec in FT_BUDGET if spec.endswith("+offload")]
+        assert found["same_as_on_device"] == dict.fromkeys(offloaded, True)
+        # the algorithms' own copies for fault tolerance follow ft_offload (on CPU the host is where they are)
+        assert {spec: found["on_host"][spec] for spec in found["on_host"] if spec.startswith(("demo", "powersgd"))} == {
+            "demo": False,
+            "demo+offload": True,
+            "powersgd:rank=2,start_iter=2": False,
+            "powersgd:rank=2,start_iter=2+offload": True,
+        }

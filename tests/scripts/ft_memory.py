@@ -4,7 +4,8 @@ Run under `unison launch --fault-tolerant --nproc 2 ft_memory.py OUT SPEC [SPEC 
 trains the 4 MiB MLP of tests/integration/test_memory.py for 12 steps without a wrapper, then once
 per SPEC with ``DataParallel(..., fault_tolerant=True)`` (a spec ending in ``+offload`` adds
 ``ft_offload=True``), and writes OUT/<worker id>.json: each spec's live tensors over local
-training's, in P, and whether every spec's weights equal the first spec's of its algorithm.
+training's, in P, whether every spec's weights equal the first spec's of its algorithm, and
+where the algorithm's own fault-tolerance copies were told to live (its state's ``on_host``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def net() -> nn.Module:
     return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(256, 256), nn.ReLU())][:-1])
 
 
-def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor]]:
-    """Live tensor bytes over before after ``STEPS`` steps of ``spec`` (None: no wrapper), and the weights."""
+def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor], object]:
+    """Live tensor bytes over before after ``STEPS`` steps of ``spec`` (None: no wrapper), the
+    weights, and the algorithm state's ``on_host`` (None where it has none)."""
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
     gc.collect()
@@ -55,11 +57,13 @@ def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor]]:
         opt.step()
     live = live_tensor_bytes([module], [opt]) - before
     weights = [p.detach().clone() for p in module.parameters()]
+    on_host = None
     if isinstance(model, unison.DataParallel):
+        on_host = getattr(model._core.events.state, "on_host", None)
         model.close()
     del model, module, opt
     gc.collect()
-    return live, weights
+    return live, weights, on_host
 
 
 def main() -> None:
@@ -67,10 +71,10 @@ def main() -> None:
     unison.init()
     rank = int(os.environ.get("UNISON_FT_ID", "0"))
     p = parameter_bytes(net())
-    local, _ = train(None, rank)
-    overheads, weights = {}, {}
+    local, _, _ = train(None, rank)
+    overheads, weights, on_host = {}, {}, {}
     for spec in specs:
-        live, weights[spec] = train(spec, rank)
+        live, weights[spec], on_host[spec] = train(spec, rank)
         overheads[spec] = (live - local) / p
     same = {
         spec: all(torch.equal(a, b) for a, b in zip(weights[spec], weights[spec.partition("+")[0]]))
@@ -78,7 +82,7 @@ def main() -> None:
         if "+" in spec and spec.partition("+")[0] in weights
     }
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"overheads": overheads, "same_as_on_device": same}, f)
+        json.dump({"overheads": overheads, "same_as_on_device": same, "on_host": on_host}, f)
 
 
 if __name__ == "__main__":

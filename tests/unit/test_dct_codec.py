@@ -107,16 +107,16 @@ def test_an_abandoned_round_puts_back_the_momentum_it_folded_into_and_a_complete
     entry = Entry([torch.zeros(5), torch.zeros(3)], chunk=4, device=torch.device("cpu"))
     entry.flat.copy_(torch.arange(12.0))
     before = entry.flat.clone()
-    entry.keep()
+    entry.keep(False)
     entry.flat.mul_(0.5).add_(1.0)
     entry.undo()
     assert torch.equal(entry.flat, before)
-    entry.keep(4, 8)  # hierarchical: this rank's shard
+    entry.keep(False, 4, 8)  # hierarchical: this rank's shard
     entry.flat[4:8] = -1.0
     entry.flat[0] = 7.0  # outside the shard: not this round's fold, left as it is
     entry.undo()
     assert torch.equal(entry.flat[4:8], before[4:8]) and entry.flat[0] == 7.0
-    entry.keep()
+    entry.keep(False)
     entry.flat.zero_()
     entry.folded = None  # what Momenta.settle does once the round completed
     entry.undo()

@@ -29,6 +29,20 @@ def home(device: torch.device, offload: bool) -> torch.device:
     return HOST if offload else torch.device(device)
 
 
+def empty_like(t: torch.Tensor, offload: bool) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``t``, where ``home`` says (pinned host memory when
+    offloaded from an accelerator): the buffer a copy made at every sync is written into.
+
+    Example::
+
+        before = empty_like(residual, offload=True)   # on the host; on the residual's device on CPU training
+        before.copy_(residual)
+    """
+    if not offload or t.device.type == "cpu":
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=torch.cuda.is_available())
+
+
 def keep(t: torch.Tensor, offload: bool) -> torch.Tensor:
     """A detached copy of ``t`` where ``home`` says (pinned host memory when offloaded from CUDA).
 
@@ -39,8 +53,7 @@ def keep(t: torch.Tensor, offload: bool) -> torch.Tensor:
     t = t.detach()
     if not offload or t.device.type == "cpu":
         return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=torch.cuda.is_available())
-    return out.copy_(t)
+    return empty_like(t, offload).copy_(t)
 
 
 def pieces(numel: int, element_size: int, cap_bytes: int = PIECE_BYTES) -> Iterator[slice]:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from ...engine import offload
 from ...engine.buckets import Bucket
 from ...engine.comm import Pending, Waitable, start
 from ...engine.comm import wait as comm_wait
@@ -51,10 +52,11 @@ class Entry:
         self.before: Optional[torch.Tensor] = None  # fault tolerance: the momentum before this round's fold
         self.folded: Optional[slice] = None  # what this round folded a gradient into (``before`` holds it)
 
-    def keep(self, first: int = 0, last: Optional[int] = None) -> None:
-        """Copy ``flat[first:last]`` (what the fold is about to change) into ``before``."""
+    def keep(self, on_host: bool, first: int = 0, last: Optional[int] = None) -> None:
+        """Copy ``flat[first:last]`` (what the fold is about to change) into ``before``, in host
+        memory if ``on_host`` (``DataParallel(ft_offload=True)``)."""
         if self.before is None:
-            self.before = torch.empty_like(self.flat)
+            self.before = offload.empty_like(self.flat, on_host)
         self.folded = slice(first, last)
         self.before[self.folded].copy_(self.flat[self.folded])
 
@@ -123,13 +125,16 @@ class Momenta:
 class DemoState(State):
     """The rank's momenta (rank-local: saved as ``feedback``), each bucket's codec and message buffers, and the shared work buffers."""
 
-    __slots__ = ("momenta", "keeps", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
+    __slots__ = ("momenta", "keeps", "on_host", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
 
-    def __init__(self, chunk: int, levels: Optional[TwoLevel] = None, keeps: bool = False) -> None:
+    def __init__(
+        self, chunk: int, levels: Optional[TwoLevel] = None, keeps: bool = False, on_host: bool = False
+    ) -> None:
         super().__init__()
         # internal state
         self.momenta = Momenta(chunk)
         self.keeps = keeps  # fault tolerance: copy each momentum before its fold (``Entry.before``)
+        self.on_host = on_host  # ft_offload=True: those copies live in host memory
         self.levels = levels  # hierarchical: the node layout and its rounds' thread
         self.node_parts: dict[int, NodePart] = {}  # hierarchical, per bucket index: its shard and buffers
         # per bucket index: (its padded length, codec, this rank's message, every rank's [world, nbytes])
@@ -181,7 +186,8 @@ class Demo(Algorithm[DemoState]):
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
     ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer; hierarchical, a float32
     buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True``, a copy of
-    the momentum taken before each fold (+1 P): a round a failure interrupts starts again from it.
+    the momentum taken before each fold (+1 P): a round a failure interrupts starts again from it;
+    ``ft_offload=True`` keeps that copy in host memory.
 
     Example::
 
@@ -223,7 +229,7 @@ class Demo(Algorithm[DemoState]):
         levels = None
         if self.hierarchical and replica.distributed:
             levels = TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
-        return DemoState(self.chunk, levels, keeps=replica.fault_tolerant)
+        return DemoState(self.chunk, levels, keeps=replica.fault_tolerant, on_host=replica.saved_on_host)
 
     def grad_scale(self, replica: Replica, state: DemoState, world_size: int) -> float:
         return 1.0  # the bucket holds this rank's own gradient: it goes into its momentum
@@ -246,7 +252,7 @@ class Demo(Algorithm[DemoState]):
         rows = m.view(-1, self.chunk)
         with torch.no_grad():
             if state.keeps:
-                entry.keep()
+                entry.keep(state.on_host)
             m.mul_(self.beta)
             torch._foreach_add_(entry.views, list(bucket.views))
             transform_(rows, dt, scratch)  # the coefficients, in place
@@ -315,7 +321,7 @@ class Demo(Algorithm[DemoState]):
                 m = entry.flat[first:last]
                 rows = m.view(-1, self.chunk)
                 if state.keeps:
-                    entry.keep(first, last)
+                    entry.keep(state.on_host, first, last)
                 m.mul_(self.beta).add_(shard, alpha=1.0 / levels.local_size)
                 transform_(rows, dt, state.scratch)
                 code.encode(m, message)

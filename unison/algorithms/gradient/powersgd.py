@@ -4,8 +4,8 @@ Vogels, Karimireddy and Jaggi (NeurIPS 2019): one step of power iteration per ba
 warm-started from the previous Q, with error feedback; two dependent allreduces per
 bucket, on a CommThread over a private group. Under fault tolerance each bucket's residuals
 and Q's are copied as its round starts (``PowerSGDState.keep``): a round a failure cuts after
-some buckets finished is done again from them, so no gradient counts twice. See
-docs/algorithms.md#powersgd.
+some buckets finished is done again from them, so no gradient counts twice (in host memory
+with ``ft_offload=True``). See docs/algorithms.md#powersgd.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...engine import comm
+from ...engine import comm, offload
 from ...engine.buckets import Bucket, split
 from ...engine.codecs import LowRank
 from ...engine.comm import Waitable
@@ -73,10 +73,26 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 class PowerSGDState(ThreadedState):
     """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
-    __slots__ = ("passes", "residuals", "qs", "plans", "buffers", "levels", "shards", "keeps", "befores", "kept")
+    __slots__ = (
+        "passes",
+        "residuals",
+        "qs",
+        "plans",
+        "buffers",
+        "levels",
+        "shards",
+        "keeps",
+        "on_host",
+        "befores",
+        "kept",
+    )
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup] = None, thread: Optional[comm.CommThread] = None, keeps: bool = False
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        thread: Optional[comm.CommThread] = None,
+        keeps: bool = False,
+        on_host: bool = False,
     ) -> None:
         super().__init__(group, thread)
         self.passes = 0  # synchronized backward passes (saved as "steps")
@@ -89,8 +105,9 @@ class PowerSGDState(ThreadedState):
         self.levels: Optional[TwoLevel] = None
         self.shards: dict[tuple[str, ...], tuple[list[int], int, int]] = {}
         # fault tolerance: per bucket a copy of its residual as its round started (``befores``, reused),
-        # and the buckets the round in flight started: their residual and their Q's before it
-        self.keeps = keeps
+        # and the buckets the round in flight started: their residual and their Q's before it;
+        # ``on_host`` (ft_offload=True): the copies live in host memory
+        self.keeps, self.on_host = keeps, on_host
         self.befores: dict[tuple[str, ...], torch.Tensor] = {}
         self.kept: dict[tuple[str, ...], tuple[torch.Tensor, dict[str, Optional[torch.Tensor]]]] = {}
 
@@ -99,7 +116,7 @@ class PowerSGDState(ThreadedState):
         key = tuple(names)
         before = self.befores.get(key)
         if before is None or before.shape != residual.shape or before.dtype != residual.dtype:
-            before = self.befores[key] = torch.empty_like(residual)
+            before = self.befores[key] = offload.empty_like(residual, self.on_host)
         before.copy_(residual)
         qs = {n: None if n not in self.qs else self.qs[n].clone() for n in compressed}
         self.kept[key] = (residual, qs)
@@ -176,11 +193,11 @@ class PowerSGD(Algorithm[PowerSGDState]):
             if self.hierarchical
             else None
         )
-        keeps = replica.fault_tolerant
+        keeps, on_host = replica.fault_tolerant, replica.saved_on_host
         if h is None:
             group, thread = open_thread(replica, self.name) if replica.distributed else (None, None)
-            return PowerSGDState(group, thread, keeps)
-        state = PowerSGDState(h.inter, h.thread, keeps)
+            return PowerSGDState(group, thread, keeps, on_host)
+        state = PowerSGDState(h.inter, h.thread, keeps, on_host)
         state.levels, h.thread = h, None  # the levels' thread is the state's
         return state
 
