@@ -8,7 +8,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def test_ranks_exit_cleanly_right_after_backward(tmp_path):
-    for _ in range(5):  # the old race aborted about one launch in two with this script
+    for _ in range(3):  # the old race aborted about one launch in two with this script (7 in 8 caught)
         proc = launch.torchrun(SCRIPT, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr

@@ -351,7 +351,7 @@ def test_the_joiner_killed_mid_heal_the_members_go_on_and_its_replacement_heals(
 
 
 # ---- chaos -----------------------------------------------------------------------------------
-CHAOS_S = 40.0  # ~13 faults a run; four runs (CI's time is counted)
+CHAOS_S = 30.0  # ~10 faults a run; two runs (CI's time is counted)
 STOPPED_S = 4.0  # a stopped worker is evicted after 2 s of silence; then the test kills or resumes it
 
 
@@ -396,18 +396,17 @@ def chaos(job: Job, rng: random.Random, seconds: float) -> list[tuple[float, int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, procs_per_node", [("bytegrad", 1), ("local_sgd", 1), ("allreduce", 2)])
-def test_chaos_random_kills_and_stops_for_40_s_leave_exact_ledgers(tmp_path, algorithm, procs_per_node):
-    """3 workers (or 3 nodes of 2) with --respawn; for 40 s a random worker is SIGKILLed or SIGSTOPped
+@pytest.mark.parametrize("algorithm, procs_per_node", [("bytegrad", 1), ("allreduce", 2)])
+def test_chaos_random_kills_and_stops_for_30_s_leave_exact_ledgers(tmp_path, algorithm, procs_per_node):
+    """3 workers (or 3 nodes of 2) with --respawn; for 30 s a random worker is SIGKILLed or SIGSTOPped
     every 3 +- 1 s (on nodes it takes its node out, and the node comes back whole). Then the job runs
-    to its end: no hang, every finishing worker's ledger exact (local_sgd drifts between its
-    averages: its replicas equal after a final average), and the state they end with descends from
+    to its end: no hang, every finishing worker's ledger exact, and the state they end with descends from
     the job's first membership (no silent restart from a joiner's fresh state)."""
     seed = int(os.environ.get("UNISON_CHAOS_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     steps = 1500  # 0.04 s each while the chaos lasts: more than 60 s, so the job outlives it
     args = ["--steps", str(steps), "--sleep", "0.04", "--algorithm", algorithm, "--origin"]
-    args += ["--hurry-file", str(tmp_path / "hurry")] + (["--average-at-end"] if algorithm == "local_sgd" else [])
+    args += ["--hurry-file", str(tmp_path / "hurry")]
     workers = 3 * procs_per_node
     with Job(tmp_path, *args, launcher=("--respawn",), procs_per_node=procs_per_node) as job:
         job.wait_for(f"{workers} workers training", lambda: sum(job.marked("ready", p) for p in job.pids()) >= workers)
@@ -417,14 +416,13 @@ def test_chaos_random_kills_and_stops_for_40_s_leave_exact_ledgers(tmp_path, alg
     found, err = job.results(), job.stderr
     context = f"seed {seed} (UNISON_CHAOS_SEED), faults {[(round(t - job.started, 1), *rest) for t, *rest in done]}"
     assert code == 0, f"{context}\n{err[-4000:]}"
-    assert len(done) >= 10, context
+    assert len(done) >= 8, context
     last = job.memberships()[-1]
     assert sorted(found) == sorted(last), f"{context}\n{err[-4000:]}"  # every member of the last membership finished
     for result in found.values():
         assert result["step"] == steps and result["members"] == last, context
         assert result["origin"] == 1, context  # healed, through every heal, from the first membership's state
-        if algorithm != "local_sgd":
-            assert result["w"] == [-1.0] * steps, f"{context}\n{ledger_errors(result, found)}"  # doubled: -2, lost: 0
+        assert result["w"] == [-1.0] * steps, f"{context}\n{ledger_errors(result, found)}"  # doubled: -2, lost: 0
     reference = found[last[0]]["w"]
     for result in found.values():
         assert result["w"] == pytest.approx(reference, abs=1e-6), context

@@ -22,7 +22,6 @@ def kinds(result: dict) -> list[str]:
     "algorithm",
     [
         "allreduce:hierarchical=True",
-        "bf16:hierarchical=True",
         "bytegrad:hierarchical=True",
         "powersgd:hierarchical=True",
         "nonblocking:hierarchical=True",
