@@ -10,7 +10,7 @@ counts every 0.25 s. The figure is the growth of the sum over a window after eve
 
     python benchmarks/bench_store_ops.py                       # this checkout ("after")
     # "before": the protocol that polled every 20 ms (commit aa2bc60's unison)
-    git archive aa2bc60 unison | tar -x -C /tmp/before && python benchmarks/bench_store_ops.py --repo /tmp/before --label before
+    git worktree add /tmp/before aa2bc60 && python benchmarks/bench_store_ops.py --repo /tmp/before --label before
 
 Writes benchmarks/results/store_ops.json (merging the runs under their labels).
 """
