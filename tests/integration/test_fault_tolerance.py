@@ -56,7 +56,7 @@ def kinds(result: dict) -> list[str]:
 # forward; killed after it (the others' round cut mid-way) for the plain and the coded paths.
 @pytest.mark.parametrize(
     "when, algorithm",
-    [(w, a) for w in ["before"] for a in ["allreduce", "bf16", "bytegrad", "bf16:hierarchical=True", "nonblocking"]]
+    [("before", a) for a in ["allreduce", "bf16", "bytegrad", "bf16:hierarchical=True", "nonblocking"]]
     + [("after", "allreduce"), ("after", "bytegrad")],
 )
 def test_a_killed_rank_leaves_every_step_applied_exactly_once(tmp_path, algorithm, when):

@@ -38,9 +38,10 @@ def empty_like(t: torch.Tensor, offload: bool) -> torch.Tensor:
         before = empty_like(residual, offload=True)   # on the host; on the residual's device on CPU training
         before.copy_(residual)
     """
-    if not offload or t.device.type == "cpu":
+    where = home(t.device, offload)
+    if where == t.device:
         return torch.empty_like(t)
-    return torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=torch.cuda.is_available())
+    return torch.empty(t.shape, dtype=t.dtype, device=where, pin_memory=torch.cuda.is_available())
 
 
 def keep(t: torch.Tensor, offload: bool) -> torch.Tensor:
