@@ -17,7 +17,9 @@ threshold as it is, to see what that costs). Per rank it records:
   wrapper is built) less the resident set before the model was built;
 * ``construct``: the peak resident set while the wrapper is built less the
   resident set just before (a construction's transient copies, over P alone);
-* ``cuda``: ``torch.cuda.max_memory_allocated`` where CUDA is available.
+* ``cuda``: ``torch.cuda.max_memory_allocated`` where CUDA is available (the model,
+  data and state on the GPU). Both ranks may share one GPU: then they talk over gloo
+  (NCCL refuses two ranks on one device; ``--backend`` chooses otherwise).
 
 The table gives each, less local training's (``local``: the same loop, no
 communication; 3P of live tensors: weights, gradients, momentum), over P.
@@ -85,7 +87,7 @@ def reset_peak() -> bool:
 
 
 def worker(args: dict) -> dict:
-    unison.init()
+    unison.init(backend=args["backend"])
     torch.set_num_threads(1)
     spec, steps = args["spec"], args["steps"]
     name = spec.partition(":")[0]
@@ -94,7 +96,7 @@ def worker(args: dict) -> dict:
     x, y = torch.randn(args["batch"], 1024, generator=g), torch.randint(0, 10, (args["batch"],), generator=g)
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         x, y = x.cuda(), y.cuda()
     before = live_tensor_bytes()
     reset_peak()
@@ -141,13 +143,15 @@ def worker(args: dict) -> dict:
     return out
 
 
-def run(spec: str, steps: int, batch: int, nodes: int, glibc_default: bool = False) -> list[dict]:
+def run(
+    spec: str, steps: int, batch: int, nodes: int, glibc_default: bool = False, backend: str | None = None
+) -> list[dict]:
     os.environ["UNISON_NODES"] = str(nodes)
     if glibc_default:  # glibc's own, dynamic threshold: freed large buffers may stay resident
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     else:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by the spawned ranks' glibc at start
-    results = launch(worker, 2, {"spec": spec, "steps": steps, "batch": batch})
+    results = launch(worker, 2, {"spec": spec, "steps": steps, "batch": batch, "backend": backend})
     return [results[r] for r in sorted(results)]
 
 
@@ -177,6 +181,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (UNISON_NODES) the 2 ranks form")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="process group backend (default: unison.init's choice; gloo where the 2 ranks share one GPU)",
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "memory.json"))
     parser.add_argument(
         "--glibc-default",
@@ -188,9 +197,17 @@ def main(argv=None) -> int:
     for base in ("local", "local_adam"):
         if base not in contenders:
             contenders.insert(0, base)
-    measured = {}
+    backend = args.backend
+    if backend is None and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        backend = "gloo"  # both ranks on the one GPU
+    measured, failed = {}, {}
     for spec in contenders:
-        measured[spec] = run(spec, args.steps, args.batch, args.nodes, args.glibc_default)
+        try:
+            measured[spec] = run(spec, args.steps, args.batch, args.nodes, args.glibc_default, backend)
+        except Exception as exc:  # one contender's failure is reported, the others still measured
+            failed[spec] = f"{type(exc).__name__}: {exc}"[-2000:]
+            print(f"FAILED {spec}: {failed[spec]}", file=sys.stderr, flush=True)
+            continue
         print(f"measured {spec}", file=sys.stderr, flush=True)
     summary = summarize(measured)
     p = summary["local"]["P_bytes"]
@@ -206,12 +223,18 @@ def main(argv=None) -> int:
         "nodes": args.nodes,
         "contenders": contenders,
         "malloc": "glibc default" if args.glibc_default else "MALLOC_MMAP_THRESHOLD_=1048576",
+        "backend": backend or "unison.init's default",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"config": config, "torch": torch.__version__, "summary": summary, "ranks": measured}, f, indent=2)
+        json.dump(
+            {"config": config, "torch": torch.__version__, "summary": summary, "ranks": measured, "failed": failed},
+            f,
+            indent=2,
+        )
     print(f"wrote {args.json}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def live_tensor_bytes(
         modules: modules whose parameters' gradients to count as well (``p.grad``
             may have no Python object until it is read).
         optimizers: optimizers whose state to count as well.
-        device: count only storages on this device (default: every device).
+        device: count only storages on this device (default: every device);
+            "cuda" counts every GPU's, "cuda:1" the second GPU's alone.
 
     Example::
 
@@ -60,9 +61,10 @@ def live_tensor_bytes(
         True
     """
     gc.collect()
+    want = None if device is None else torch.device(device)
     seen: dict[tuple[str, int], int] = {}
     for t in _tensors(list(modules), list(optimizers)):
-        if t.is_sparse or t.is_meta or (device is not None and t.device != torch.device(device)):
+        if t.is_sparse or t.is_meta or (want is not None and not _on(t.device, want)):
             continue
         try:
             storage = t.untyped_storage()
@@ -72,6 +74,11 @@ def live_tensor_bytes(
             continue
         seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
+
+
+def _on(where: torch.device, want: torch.device) -> bool:
+    """Whether ``where`` is ``want``; ``want`` without an index ("cuda") takes any device of its type."""
+    return where.type == want.type and (want.index is None or where.index == want.index)
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:

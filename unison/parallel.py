@@ -96,7 +96,10 @@ class DataParallel(nn.Module):
             as torch DDP), "raise" (every rank raises FloatingPointError naming
             the rank and the first such parameter), or "skip" (every rank skips
             that optimizer step together; the bad gradient never leaves its
-            rank). ``model.skipped_steps`` counts skipped steps.
+            rank). ``model.skipped_steps`` counts skipped steps. With
+            ``torch.amp.GradScaler`` leave it None: the scaler skips a step
+            whose gradients overflowed on any rank itself, and its ``step``
+            refuses an optimizer whose gradients "skip" dropped.
         debug: check before every forward that all ranks are about to run the
             same step (forward count, synchronization, bucket plan, algorithm,
             world size) and raise naming the ranks that differ, instead of

@@ -6,6 +6,8 @@ per SPEC with ``DataParallel(..., fault_tolerant=True)`` (a spec ending in ``+of
 ``ft_offload=True``), and writes OUT/<worker id>.json: each spec's live tensors over local
 training's, in P, whether every spec's weights equal the first spec's of its algorithm, and
 where the algorithm's own fault-tolerance copies were told to live (its state's ``on_host``).
+With ``FT_MEMORY_DEVICE=cuda`` the model and data are on the GPU, the workers talk over gloo
+(two of them share one GPU) and the overheads count the GPU's tensors alone: what a GPU holds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from unison.memory import live_tensor_bytes, parameter_bytes
 
 STEPS = 12
 BUCKET_MB = 0.25
+DEVICE = torch.device(os.environ.get("FT_MEMORY_DEVICE", "cpu"))
 
 
 def net() -> nn.Module:
@@ -35,10 +38,10 @@ def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor], objec
     """Live tensor bytes over before after ``STEPS`` steps of ``spec`` (None: no wrapper), the
     weights, and the algorithm state's ``on_host`` (None where it has none)."""
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+    x, y = torch.randn(8, 256, generator=g).to(DEVICE), torch.randn(8, 256, generator=g).to(DEVICE)
     gc.collect()
-    before = live_tensor_bytes()
-    module = net()
+    before = live_tensor_bytes(device=DEVICE)
+    module = net().to(DEVICE)
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     model: nn.Module = module
     if spec is not None:
@@ -55,7 +58,7 @@ def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor], objec
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
-    live = live_tensor_bytes([module], [opt]) - before
+    live = live_tensor_bytes([module], [opt], device=DEVICE) - before
     weights = [p.detach().clone() for p in module.parameters()]
     on_host = None
     if isinstance(model, unison.DataParallel):
@@ -68,7 +71,9 @@ def train(spec: str | None, rank: int) -> tuple[float, list[torch.Tensor], objec
 
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
-    unison.init()
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
+    unison.init(backend="gloo" if DEVICE.type == "cuda" else None)
     rank = int(os.environ.get("UNISON_FT_ID", "0"))
     p = parameter_bytes(net())
     local, _, _ = train(None, rank)

@@ -23,3 +23,16 @@ def test_a_copy_offloaded_from_a_device_lives_on_the_host_and_one_not_offloaded_
 def test_a_replica_without_a_wrapper_keeps_nothing_on_the_host():
     replica = Replica(list(torch.nn.Linear(2, 2).named_parameters()), [], [], None, "t")
     assert not replica.fault_tolerant and not replica.saved_on_host
+
+
+def test_live_tensor_bytes_counts_a_device_type_without_an_index():
+    """``device="cuda"`` counts every GPU's tensors (a tensor's device always has an index: cuda:0);
+    the same rule on the host and on meta devices, which torch gives no index."""
+    from unison.memory import _on
+
+    assert _on(torch.device("cuda", 0), torch.device("cuda"))
+    assert _on(torch.device("cuda", 1), torch.device("cuda"))
+    assert _on(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not _on(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not _on(torch.device("cuda", 0), torch.device("cpu"))
+    assert _on(torch.device("cpu"), torch.device("cpu"))

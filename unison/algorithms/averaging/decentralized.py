@@ -135,15 +135,40 @@ def exchange(
 
     A receive matches the send from its peer with the same tag (the index of
     the flat buffer), so several buffers can travel between two ranks at once.
+    gloo sends and receives host memory only: tensors on a GPU travel through host
+    copies there, and the last work returned writes the received ones back.
     """
+    staged = None
+    if any(t.device.type != "cpu" for t, _, _ in sends + recvs) and dist.get_backend(group) == "gloo":
+        staged = CopyBack([(torch.empty_like(t, device="cpu"), t) for t, _, _ in recvs], [t.cpu() for t, _, _ in sends])
+        sends = [(host, peer, tag) for host, (_, peer, tag) in zip(staged.keep, sends)]
+        recvs = [(host, peer, tag) for (host, _), (_, peer, tag) in zip(staged.pairs, recvs)]
     ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in recvs]
     works = dist.batch_isend_irecv(ops) if ops else []
+    if staged is not None:
+        works.append(staged)  # waited on last: after every receive landed in its host copy
     if wait:
         for work in works:
             comm.wait(work, p2p=True)
         return []
     return works
+
+
+class CopyBack:
+    """The end of a point-to-point exchange staged through host memory: ``wait()`` copies each
+    received host tensor into its place on the device (and lets the sent host copies go)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: list[torch.Tensor]) -> None:
+        self.pairs, self.keep = pairs, keep
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        for host, target in self.pairs:
+            target.copy_(host)
+        self.pairs, self.keep = [], []
 
 
 class Received:
