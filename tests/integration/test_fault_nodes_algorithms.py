@@ -2,7 +2,8 @@
 algorithms (nonblocking's too; fp16 shares bf16's code) and of the averaging ones, and DASO, whose
 failure domain is a node, on 3 nodes x 2 processes; worker 1 is SIGKILLed before its reduction, its
 node leaves and the other two go on over the node layout of the new membership. Gradient algorithms
-keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones (and qadam) equal replicas."""
+keep the exact ledger of tests/scripts/ft_ledger.py; averaging ones (sparseloco's too) and qadam
+equal replicas."""
 
 from __future__ import annotations
 
@@ -40,7 +41,14 @@ def test_a_hierarchical_gradient_algorithm_keeps_the_ledger_exact_across_a_node_
 
 
 @pytest.mark.parametrize(
-    "algorithm", ["diloco:hierarchical=True", "local_sgd:hierarchical=True,period=4", "daso", "qadam:hierarchical=True"]
+    "algorithm",
+    [
+        "diloco:hierarchical=True",
+        "local_sgd:hierarchical=True,period=4",
+        "daso",
+        "qadam:hierarchical=True",
+        "sparseloco:hierarchical=True,period=4",
+    ],
 )
 def test_a_node_aware_averaging_algorithm_goes_on_with_equal_replicas(tmp_path, algorithm):
     """Equal replicas and a finished run (qadam's Adam step makes no ledger: its weights are checked
