@@ -145,7 +145,7 @@ def exchange(
         recvs = [(host, peer, tag) for (host, _), (_, peer, tag) in zip(staged.pairs, recvs)]
     ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in recvs]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
     if staged is not None:
         works.append(staged)  # waited on last: after every receive landed in its host copy
     if wait:
