@@ -283,8 +283,9 @@ def _heal_job(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = 400) -> 
     """Worker 1 dies at step 10 and is replaced; steps sleep until the test hurries them."""
     args = ("--steps", str(steps), "--sleep", "0.03", "--kill", "1@10", "--pad-mb", str(PAD_MB), *extra)
     # Each healed worker pauses after every 4 MiB piece it receives: the heal stays on the wire
-    # for ~16 x 0.15 s, so the test catches it there rather than racing it.
-    args += ("--slow-heal", "0.15")
+    # for ~16 x 0.5 s, so the test catches it there rather than racing it (at 0.15 s a loaded CI
+    # machine once polled the sockets too seldom to see it, and the heal ended first).
+    args += ("--slow-heal", "0.5")
     return Job(tmp_path, *args, "--hurry-file", str(tmp_path / "hurry"), nproc=nproc, launcher=("--respawn",), nice=10)
 
 
@@ -339,9 +340,12 @@ def test_the_joiner_killed_mid_heal_the_members_go_on_and_its_replacement_heals(
     replacement = found[4]
     # A heal_send is noted once the sender has handed the last piece to its socket: the send to the
     # joiner either broke or, when its last pieces were already in the kernel's buffers at the kill,
-    # went through before it. The last heal sent is the one to the replacement, at its first step.
+    # went through before it. The last heal sent is the one to the replacement: of the step it starts
+    # at, or of the one before when the heal also brought that step's round (a slow heal lets the
+    # members finish it meanwhile).
     sends = sorted((t, d) for r in found.values() for t, kind, d in r["events"] if kind == "heal_send" and t > admitted)
-    assert sends and f"at step {replacement['first_step']}," in sends[-1][1], sends
+    first = replacement["first_step"]
+    assert sends and any(f"at step {s}," in sends[-1][1] for s in (first, first - 1)), (first, sends)
     assert all(t < killed_at for t, _ in sends[:-1]) and len(sends) <= 2, sends
     assert "heal_recv" in kinds(replacement) and replacement["first_step"] > found[0]["first_step"]
     for result in found.values():
