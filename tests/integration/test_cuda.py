@@ -88,7 +88,8 @@ def train(spec: str, device: str, steps: int = STEPS) -> dict:
         losses.append(loss.item())
         if (i + 1) % 4 == 0:
             model.end_epoch(losses[-1])  # DASO's schedule advances by epochs
-    torch.cuda.synchronize() if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.synchronize()
     cpu_after = live_tensor_bytes([net], [opt], device="cpu")
     on = {str(p.device.type) for p in net.parameters()}
     on |= {str(t.device.type) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()}
