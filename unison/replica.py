@@ -146,6 +146,27 @@ class Replica:
         (``unison.engine.offload.empty_like``)."""
         return self._wiring.saved_on_host
 
+    def saved_gradients(self, bucket: Bucket) -> Optional[list[torch.Tensor]]:
+        """Under fault tolerance, the copies of ``bucket``'s local gradients that the backward pass
+        in flight keeps to redo its round after a failure (unscaled, parameter by parameter; in
+        host memory with ``ft_offload=True``); None otherwise.
+
+        The redo feeds them to the engine as the members' gradients, scaled as the new membership
+        says (``gradient_scale``). An algorithm whose round changes state of its own can undo it
+        from them instead of keeping a copy of that state: compute the state as it was before the
+        round back (powersgd's residual), or rewrite them so that the redo, folded into the state
+        the round left, gives what the round folded (demo's momentum).
+        """
+        engine = self._wiring.reducer
+        return engine.saved(bucket) if engine is not None and self.fault_tolerant else None
+
+    @property
+    def gradient_scale(self) -> float:
+        """What the buckets of the backward pass in flight hold the local gradients multiplied by
+        (``Algorithm.grad_scale``, over the members a redo averages)."""
+        engine = self._wiring.reducer
+        return engine.scale if engine is not None else 1.0
+
     # ---- where it talks ----------------------------------------------------------
     @property
     def topology(self) -> runtime.Topology:

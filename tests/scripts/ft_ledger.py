@@ -90,8 +90,8 @@ def kill_mid() -> Callable[[], None]:
 
     reduce, armed = PowerSGD._compressed_reduce, []
 
-    def reduce_then_die(self, state, bucket, plan, step):
-        reduce(self, state, bucket, plan, step)
+    def reduce_then_die(self, state, bucket, plan, *rest):
+        reduce(self, state, bucket, plan, *rest)
         if armed and plan.compressed:
             time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)

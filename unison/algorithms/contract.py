@@ -43,9 +43,10 @@ class Recovery:
     and the algorithm's state (``state_dict``) from that member: everything is shared but the
     entries named ``rank_local``. A gradient round a failure interrupted is always done again on
     the new membership from each member's saved local gradient (an algorithm whose reduction
-    changes state of its own as the round starts, demo's momentum, puts it back in ``release``,
-    which every membership change calls before the state is read); ``interrupted`` says what
-    becomes of a sync of the algorithm's own (an average, an outer step).
+    changes state of its own, demo's momentum or powersgd's residuals, undoes it in ``release``,
+    which every membership change calls before the state is read, or from the saved gradients:
+    ``Replica.saved_gradients``); ``interrupted`` says what becomes of a sync of the algorithm's
+    own (an average, an outer step).
 
     Attributes:
         rank_local: the entries of the state's ``state_dict`` that belong to one worker (error

@@ -177,6 +177,7 @@ class GradReducer:
         self.recover = recover
         self.local_on_host = local_on_host
         self.local: dict[int, torch.Tensor] = {}
+        self._scale = 1.0
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
         self.sparse = sorted(set(sparse))
@@ -243,6 +244,18 @@ class GradReducer:
     def unfinished(self) -> bool:
         """Whether reductions of the last backward are still in flight."""
         return self._unfinished
+
+    @property
+    def scale(self) -> float:
+        """What the buckets of the pass in flight hold the local gradients multiplied by (1/world
+        for an average)."""
+        return self._scale
+
+    def saved(self, bucket: bucketing.Bucket) -> Optional[list[torch.Tensor]]:
+        """The copies of ``bucket``'s local gradients (unscaled) that the pass in flight keeps to
+        redo its round from (``recover``); None unless every parameter of it has one."""
+        found = [self.local.get(i) for i in bucket.indices]
+        return None if not found or any(t is None for t in found) else found  # type: ignore[return-value]
 
     def bucket_of(self, param: torch.Tensor) -> Optional[int]:
         """The index of the bucket holding ``param``'s gradient."""

@@ -7,9 +7,11 @@ rest stays, as error feedback does). The ranks all-gather the fixed-size message
 its sign, ``sign=True``) is the gradient the user's optimizer sees. Bucket by bucket, so the
 exchange overlaps with backward. ``hierarchical``: the node sums the gradients at full precision
 and each local rank keeps the momentum of its shard (whole chunks) of the node's mean; only its
-sparse message crosses nodes (``engine.hierarchy.TwoLevel``). Under fault tolerance each bucket's
-momentum is copied before its fold (``Entry.before``): a round a failure interrupts is done again
-from it, so the gradient is folded once. See docs/algorithms.md#demo.
+sparse message crosses nodes (``engine.hierarchy.TwoLevel``). Under fault tolerance a round a
+failure interrupts is done again with each gradient folded once: the engine's saved copy of the
+gradient is rewritten so that folding it into the momentum the round left gives the momentum the
+round folded (``Entry.lend``); hierarchical, each shard's momentum is copied before its fold and
+put back (``Entry.before``). See docs/algorithms.md#demo.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class Entry:
     """One bucket's momentum in DeMo's layout: each parameter's values from a whole chunk on,
     padded with zeros to whole chunks, in one float32 flat; ``views`` are shaped like the
     parameters, ``pad`` lists the padding's positions (kept at zero). Under fault tolerance
-    ``before`` holds the momentum as it was before the fold of the round in flight (``folded``:
-    the slice it folded into, the whole flat or a hierarchical rank's shard)."""
+    a hierarchical rank's ``before`` holds its shard's momentum as it was before the fold of the
+    round in flight (``folded``: the slice it folded into)."""
 
     __slots__ = ("flat", "views", "offsets", "pad", "target", "targets", "before", "folded")
 
@@ -59,6 +61,20 @@ class Entry:
             self.before = offload.empty_like(self.flat, on_host)
         self.folded = slice(first, last)
         self.before[self.folded].copy_(self.flat[self.folded])
+
+    def lend(self, saved: list[torch.Tensor], beta: float, folded: bool) -> None:
+        """Rewrite ``saved``, the engine's copies of this round's gradients
+        (``Replica.saved_gradients``), instead of keeping the momentum before the fold: right
+        after the fold (``folded``) they take the momentum folded, ``f = beta m + g``; once the
+        sent coefficients have left the momentum (``m'``), ``f - beta m'``. A round a failure
+        interrupts is done again from them over the momentum it left, which folds to
+        ``beta m' + (f - beta m') = f`` (to float rounding) and sends the same message; where no
+        redo comes (the others finished the round) the momentum stands as the round left it."""
+        for out, view in zip(saved, self.views):
+            if folded:
+                out.copy_(view)
+            else:
+                out.sub_(view.to(out.device), alpha=beta)
 
     def undo(self) -> None:
         """Put back what this round's fold changed (nothing if it folded nothing)."""
@@ -133,8 +149,8 @@ class DemoState(State):
         super().__init__()
         # internal state
         self.momenta = Momenta(chunk)
-        self.keeps = keeps  # fault tolerance: copy each momentum before its fold (``Entry.before``)
-        self.on_host = on_host  # ft_offload=True: those copies live in host memory
+        self.keeps = keeps  # fault tolerance: a round can be done again (``Entry.lend``, ``Entry.keep``)
+        self.on_host = on_host  # ft_offload=True: copies of the momentum before a fold live in host memory
         self.levels = levels  # hierarchical: the node layout and its rounds' thread
         self.node_parts: dict[int, NodePart] = {}  # hierarchical, per bucket index: its shard and buffers
         # per bucket index: (its padded length, codec, this rank's message, every rank's [world, nbytes])
@@ -185,9 +201,10 @@ class Demo(Algorithm[DemoState]):
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
     ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer; hierarchical, a float32
-    buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True``, a copy of
-    the momentum taken before each fold (+1 P): a round a failure interrupts starts again from it;
-    ``ft_offload=True`` keeps that copy in host memory.
+    buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True`` nothing more
+    than the saved gradients every gradient algorithm keeps (+1 P), rewritten so that an
+    interrupted round done again from them folds what it folded; hierarchical, a copy of each
+    shard's momentum before its fold (+1 P, in host memory with ``ft_offload=True``).
 
     Example::
 
@@ -198,8 +215,9 @@ class Demo(Algorithm[DemoState]):
     name = "demo"
     #: It sends each rank's momentum, which must see every gradient: sparse gradients are refused.
     sparse_gradients: ClassVar[bool] = False
-    # A failure that interrupts a round has it done again from the saved gradients: ``release`` puts
-    # back each momentum the round folded into, so it is folded once. The momentum belongs to the rank.
+    # A failure that interrupts a round has it done again from the saved gradients, rewritten so that
+    # each gradient is folded once (``Entry.lend``; hierarchical: ``release`` puts each shard's momentum
+    # back). The momentum belongs to the rank.
     recovery = Recovery(rank_local=("feedback",))
     beta: float = 0.999
     chunk: int = 64
@@ -250,26 +268,41 @@ class Demo(Algorithm[DemoState]):
         scratch = self._scratch(state, entry.flat.device)
         m = entry.flat
         rows = m.view(-1, self.chunk)
+        saved = self._saved(replica, bucket) if state.keeps else None
         with torch.no_grad():
-            if state.keeps:
+            if state.keeps and saved is None:
                 entry.keep(state.on_host)
             m.mul_(self.beta)
             torch._foreach_add_(entry.views, list(bucket.views))
+            if saved is not None:
+                entry.lend(saved, self.beta, folded=True)
             transform_(rows, dt, scratch)  # the coefficients, in place
             code.encode(m, mine)  # m keeps the coefficients not sent
             transform_(rows, d, scratch)  # back: m - idct(sent)
             if entry.pad is not None:
                 m.index_fill_(0, entry.pad, 0.0)  # the padding holds no momentum
+            if saved is not None:
+                entry.lend(saved, self.beta, folded=False)
         work = start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
         return Gathered(work, self, state, bucket, entry, code, everyone)
 
     def after_backward(self, replica: Replica, state: DemoState) -> None:
         state.momenta.settle()
 
+    @staticmethod
+    def _saved(replica: Replica, bucket: Bucket) -> Optional[list[torch.Tensor]]:
+        """The engine's saved gradients of ``bucket`` when they can hold the fold (float32 like the
+        momentum: a lower precision would round it), else None (``Entry.keep`` then)."""
+        saved = replica.saved_gradients(bucket)
+        if saved is None or any(t.dtype != torch.float32 for t in saved):
+            return None
+        return saved
+
     def release(self, replica: Replica, state: DemoState) -> None:
         """The members changed (or the wrapper is gone): once the node rounds have stopped, each
-        momentum the round in flight folded a gradient into goes back to what it was before, so
-        that the round done again on the new membership folds it once."""
+        shard's momentum the round in flight folded a gradient into goes back to what it was before
+        (hierarchical; flat, the saved gradients were rewritten instead: ``Entry.lend``), so that the
+        round done again on the new membership folds each gradient once."""
         super().release(replica, state)
         with torch.no_grad():
             state.momenta.undo()

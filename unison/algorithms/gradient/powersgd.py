@@ -2,10 +2,12 @@
 
 Vogels, Karimireddy and Jaggi (NeurIPS 2019): one step of power iteration per backward,
 warm-started from the previous Q, with error feedback; two dependent allreduces per
-bucket, on a CommThread over a private group. Under fault tolerance each bucket's residuals
-and Q's are copied as its round starts (``PowerSGDState.keep``): a round a failure cuts after
-some buckets finished is done again from them, so no gradient counts twice (in host memory
-with ``ft_offload=True``). See docs/algorithms.md#powersgd.
+bucket, on a CommThread over a private group. Under fault tolerance a round a failure cuts
+after some buckets finished is done again from each bucket's residual as it was before it, so no
+gradient counts twice: a finished bucket's is computed back from the residual it left, its factors
+and the engine's saved gradients (``PowerSGDState.undo``); hierarchical, each shard's residual is
+copied as its round starts (in host memory with ``ft_offload=True``). Each bucket's Q's are copied
+(small). See docs/algorithms.md#powersgd.
 """
 
 from __future__ import annotations
@@ -70,6 +72,38 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class Unfold(NamedTuple):
+    """A flat bucket's round under fault tolerance, without a copy of its residual: once the round
+    has finished, ``restore`` computes the residual as it was before it from what it left,
+    ``e = e' + P Q_local^T - scale g`` for each matrix (the round compressed ``M = scale g + e``
+    and left ``e' = M - P Q_local^T``), to float rounding. The plain tensors' residuals are
+    always zero."""
+
+    errors: list[torch.Tensor]  # the matrices' residuals (n x m views of the bucket's)
+    saved: list[torch.Tensor]  # the engine's saved gradients of the bucket (``Replica.saved_gradients``)
+    scale: float  # what the bucket held them multiplied by
+    plan: "BucketPlan"
+    low: LowRank  # the bucket's factors: the round's P's and Q_local's stay there
+
+    def restore(self) -> None:
+        for k, i in enumerate(self.plan.compressed):
+            error, p, qt = self.errors[k], self.low.ps[k], self.low.qts_local[k]
+            e = error.to(p.dtype)
+            e.addmm_(p, qt)
+            e.sub_(self.saved[i].to(device=e.device, dtype=e.dtype).view(e.shape), alpha=self.scale)
+            error.copy_(e)
+
+
+class Kept:
+    """A bucket the round in flight started: its residual, its Q's before the round, and (flat
+    buckets) how to compute its residual back (``Unfold``) once ``finished``."""
+
+    __slots__ = ("residual", "qs", "unfold", "finished")
+
+    def __init__(self, residual: torch.Tensor, qs: dict[str, Optional[torch.Tensor]], unfold: Optional[Unfold]) -> None:
+        self.residual, self.qs, self.unfold, self.finished = residual, qs, unfold, False
+
+
 class PowerSGDState(ThreadedState):
     """Backward passes seen, residuals and Q factors (saved), bucket plans and buffers, group and thread."""
 
@@ -104,22 +138,27 @@ class PowerSGDState(ThreadedState):
         # per bucket the offsets of its shards (whole parameters) and this process's parameters [lo, hi)
         self.levels: Optional[TwoLevel] = None
         self.shards: dict[tuple[str, ...], tuple[list[int], int, int]] = {}
-        # fault tolerance: per bucket a copy of its residual as its round started (``befores``, reused),
-        # and the buckets the round in flight started: their residual and their Q's before it;
-        # ``on_host`` (ft_offload=True): the copies live in host memory
+        # fault tolerance: the buckets the round in flight started (``Kept``); per hierarchical shard
+        # a copy of its residual as its round started (``befores``, reused; in host memory when
+        # ``on_host``: ft_offload=True)
         self.keeps, self.on_host = keeps, on_host
         self.befores: dict[tuple[str, ...], torch.Tensor] = {}
-        self.kept: dict[tuple[str, ...], tuple[torch.Tensor, dict[str, Optional[torch.Tensor]]]] = {}
+        self.kept: dict[tuple[str, ...], Kept] = {}
 
-    def keep(self, names: Sequence[str], residual: torch.Tensor, compressed: Sequence[str]) -> None:
-        """Copy what a bucket's round is about to change: its residual and its matrices' Q's."""
+    def keep(
+        self, names: Sequence[str], residual: torch.Tensor, compressed: Sequence[str], unfold: Optional["Unfold"] = None
+    ) -> "Kept":
+        """Note what a bucket's round is about to change: its matrices' Q's (copied) and its
+        residual, copied unless ``unfold`` can compute it back once the round has finished."""
         key = tuple(names)
-        before = self.befores.get(key)
-        if before is None or before.shape != residual.shape or before.dtype != residual.dtype:
-            before = self.befores[key] = offload.empty_like(residual, self.on_host)
-        before.copy_(residual)
+        if unfold is None:
+            before = self.befores.get(key)
+            if before is None or before.shape != residual.shape or before.dtype != residual.dtype:
+                before = self.befores[key] = offload.empty_like(residual, self.on_host)
+            before.copy_(residual)
         qs = {n: None if n not in self.qs else self.qs[n].clone() for n in compressed}
-        self.kept[key] = (residual, qs)
+        kept = self.kept[key] = Kept(residual, qs, unfold)
+        return kept
 
     def settle(self) -> None:
         """The round completed: what it changed stands."""
@@ -128,8 +167,12 @@ class PowerSGDState(ThreadedState):
     def undo(self) -> None:
         """The round in flight was abandoned: each bucket it started gets its residual and Q's back,
         so that the round done again adds each residual once."""
-        for key, (residual, qs) in self.kept.items():
-            residual.copy_(self.befores[key])
+        for key, kept in self.kept.items():
+            residual, qs = kept.residual, kept.qs
+            if kept.unfold is None:
+                residual.copy_(self.befores[key])
+            elif kept.finished:
+                kept.unfold.restore()
             for name, q in qs.items():
                 if q is None:
                     self.qs.pop(name, None)
@@ -218,7 +261,9 @@ class PowerSGD(Algorithm[PowerSGDState]):
             cross = partial(self._shard_reduce, state, bucket, lo, hi, state.passes)
             return state.running_thread().submit(h.run, bucket.flat, cross, bounds)
         plan = self._plan(state, bucket.names, bucket.params)
-        return state.running_thread().submit(self._compressed_reduce, state, bucket, plan, state.passes)
+        saved = replica.saved_gradients(bucket) if state.keeps else None
+        scale = replica.gradient_scale
+        return state.running_thread().submit(self._compressed_reduce, state, bucket, plan, state.passes, saved, scale)
 
     def bucket_wire_bytes(self, replica: Replica, state: PowerSGDState, bucket: Bucket, world_size: int) -> int:
         h, flat = state.levels, bucket.flat
@@ -288,21 +333,33 @@ class PowerSGD(Algorithm[PowerSGDState]):
             state.buffers[key] = (first, LowRank(plan.shapes, self.rank, first[plan.plain_numel :]))
         return state.buffers[key]
 
-    def _compressed_reduce(self, state: PowerSGDState, bucket: Bucket, plan: BucketPlan, step: int) -> None:
-        """On the CommThread: add the residuals, exchange P's (with the plain tensors) then Q's, write P Q^T back."""
+    def _compressed_reduce(
+        self,
+        state: PowerSGDState,
+        bucket: Bucket,
+        plan: BucketPlan,
+        step: int,
+        saved: Optional[list[torch.Tensor]] = None,
+        scale: float = 1.0,
+    ) -> None:
+        """On the CommThread: add the residuals, exchange P's (with the plain tensors) then Q's, write
+        P Q^T back. Under fault tolerance note what the round changes (``saved``, ``scale``: a flat
+        bucket's saved gradients and their scale, to compute its residual back with)."""
         residual = state.residuals.get(bucket)
-        if state.keeps:
-            state.keep(bucket.names, residual, [bucket.names[i] for i in plan.compressed])
-        bucket.flat.add_(residual)
         views, dtype = bucket.views, work_dtype(bucket.dtype)
         residuals = split(residual, views)
+        errors = [residuals[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
+        first, low = self._buffers(state, bucket, plan, dtype)
+        kept = None
+        if state.keeps:
+            unfold = None if saved is None else Unfold(errors, saved, scale, plan, low)
+            kept = state.keep(bucket.names, residual, [bucket.names[i] for i in plan.compressed], unfold)
+        bucket.flat.add_(residual)
         cast = dtype != bucket.dtype  # factors in float32: the matrices are converted copies
         mats = [views[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
-        errors = [residuals[i].view(n, m) for i, (n, m) in zip(plan.compressed, plan.shapes)]
         if cast:
             mats, out_mats = [m.to(dtype) for m in mats], mats
             errors, out_errors = [torch.empty_like(m) for m in errors], errors
-        first, low = self._buffers(state, bucket, plan, dtype)
         for k, i in enumerate(plan.compressed):
             q = self._q(state, bucket.names[i], plan.shapes[k][1], step, dtype, first.device)
             if q.data_ptr() != low.qs[k].data_ptr():
@@ -326,3 +383,5 @@ class PowerSGD(Algorithm[PowerSGDState]):
             state.qs[bucket.names[i]] = low.qs[k]
         for i in plan.plain:
             residuals[i].zero_()
+        if kept is not None:
+            kept.finished = True
