@@ -25,6 +25,7 @@ benchmarks/results/charlm.json (or --json PATH).
 
     python benchmarks/bench_charlm.py                       # every algorithm, a few minutes
     python benchmarks/bench_charlm.py --algorithms allreduce,local_sgd
+    python benchmarks/bench_charlm.py --algorithms 'demo:sign=True@sgd:1e-3'   # its own optimizer and lr
     python benchmarks/bench_charlm.py --nodes 2 --procs-per-node 2 \
         --algorithms allreduce,local_sgd:hierarchical=true,diloco:hierarchical=true   # 2 x 2
 """
@@ -50,9 +51,20 @@ MODEL_AVERAGING = ["local_sgd", "daso", "decentralized", "low_precision_decentra
 TARGET_RATIO = 1.02
 
 
+INNER = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
 def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW, or QAdamOptimizer (its default warm-up) for "qadam", which runs only with it."""
-    if name.partition(":")[0] == "qadam":
+    """AdamW, or QAdamOptimizer (its default warm-up) for "qadam", which runs only with it; a
+    contender written ``algorithm@sgd:LR`` (or ``@adamw:LR``) trains with that optimizer and
+    learning rate instead (demo's paper: ``demo:sign=True@sgd:1e-3``, signum)."""
+    algorithm, _, inner = name.partition("@")
+    if inner:
+        kind, _, rate = inner.partition(":")
+        if kind not in INNER:
+            raise SystemExit(f"{name}: the optimizer after @ is one of {', '.join(INNER)}, got {kind!r}")
+        return INNER[kind](params, lr=float(rate) if rate else lr, weight_decay=weight_decay)
+    if algorithm.partition(":")[0] == "qadam":
         return unison.QAdamOptimizer(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
@@ -84,7 +96,7 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
     """Train from scratch with algorithm ``name`` (defaults); rank 0's validation loss after average()."""
     net = charlm.build(cfg["seed"], vocab_size, cfg["context"], cfg["d_model"], cfg["heads"], cfg["layers"])
     optimizer = make_optimizer(name, net.parameters(), cfg["lr"], cfg["weight_decay"])
-    model = unison.DataParallel(net, optimizer=optimizer, algorithm=name)
+    model = unison.DataParallel(net, optimizer=optimizer, algorithm=name.partition("@")[0])
     loader = unison.sharded_loader(train_set, batch_size=cfg["batch"], seed=cfg["seed"], drop_last=True)
     scheduler = schedule(optimizer, cfg["schedule"], cfg["epochs"] * len(loader), cfg["warmup"])
     steps, epoch_loss = 0, float("nan")
@@ -211,7 +223,7 @@ def main(argv=None) -> int:
     names = split_contenders(args.algorithms)
     names = ["allreduce"] + [n for n in names if n != "allreduce"]
     for n in names:
-        unison.algorithms.create(n)  # an unknown name or option fails here, before any process starts
+        unison.algorithms.create(n.partition("@")[0])  # an unknown name or option fails here, before any process starts
     cfg = {
         k: getattr(args, k)
         for k in (

@@ -58,10 +58,12 @@ def launch(fn, nproc: int, *args) -> dict:
 
 def split_contenders(text: str) -> list[str]:
     """ "compute,diloco:fragments=4,delay=2,ddp" -> ["compute", "diloco:fragments=4,delay=2", "ddp"]:
-    an item with "=" and no ":" is one more option of the contender before it."""
+    an item with "=" and no ":" (before an "@", which bench_charlm's inner optimizer follows) is one
+    more option of the contender before it."""
     out: list[str] = []
     for item in filter(None, text.split(",")):
-        if "=" in item and ":" not in item and out:
+        head = item.partition("@")[0]
+        if "=" in head and ":" not in head and out:
             out[-1] += "," + item
         else:
             out.append(item)

@@ -281,8 +281,9 @@ def test_nccl_world_of_one():
 
 
 def test_ft_offload_leaves_the_gpu_what_it_holds_without_fault_tolerance(tmp_path):
-    """Under fault tolerance the saved gradients (and demo's and powersgd's copies for redoing a
-    round) are on the GPU; with ft_offload=True they are in host memory, one copy fewer on the GPU."""
+    """Under fault tolerance the saved gradients are on the GPU; with ft_offload=True they are in
+    host memory, one copy fewer on the GPU. demo and powersgd keep no copy of their own state for
+    redoing a round (they undo it from the saved gradients), so theirs is the same one copy."""
     import json
     import subprocess
     import sys
@@ -305,5 +306,5 @@ def test_ft_offload_leaves_the_gpu_what_it_holds_without_fault_tolerance(tmp_pat
         over = found["overheads"]
         assert over["allreduce"] >= 0.9 and over["allreduce+offload"] <= 0.1, over
         for spec in specs[1:]:
-            assert over[spec] - over[spec + "+offload"] >= 1.8, (spec, over)  # the saved gradients and its copy (2 P)
+            assert 0.9 <= over[spec] - over[spec + "+offload"] <= 1.1, (spec, over)  # the saved gradients (1 P)
         assert all(found["same_as_on_device"].values()), found["same_as_on_device"]
