@@ -17,14 +17,17 @@ from scenarios import spread_across_ranks
 import unison
 from tests.unit.topk_reference import quantized_topk
 from unison.engine.dct import message_bytes
+from unison.engine.topk import SCALE_DTYPES
 
 LR = 0.05
 # (options, steps): float32 values, chunks of 64, the default topk; 4-bit values in chunks of 32
-# with the signum variant; 8-bit values, one coefficient per chunk of 16, no momentum decay to speak of.
+# with the signum variant; 8-bit values, one coefficient per chunk of 16, no momentum decay to speak of;
+# 2-bit values with bfloat16 scales (the low-bandwidth setting docs/algorithms.md recommends).
 CASES = [
     ({"beta": 0.9, "chunk": 64, "topk": 4}, 4),
     ({"beta": 0.5, "chunk": 32, "topk": 3, "bits": 4, "sign": True}, 3),
     ({"beta": 0.999, "chunk": 16, "topk": 1, "bits": 8}, 3),
+    ({"beta": 0.9, "chunk": 64, "topk": 2, "bits": 2, "sign": True, "scale_dtype": "bf16"}, 3),
 ]
 
 
@@ -40,7 +43,7 @@ def dct(n: int) -> torch.Tensor:
     return d.float()
 
 
-def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False):
+def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False, scale_dtype="fp32"):
     """One DeMo step of every rank (``momenta[r][i]``: rank r's momentum of parameter i, updated in
     place) from their gradients; returns each parameter's direction (the same on every rank)."""
     d, world = dct(chunk), len(momenta)
@@ -61,7 +64,7 @@ def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False):
                 sent.scatter_(1, idx, rows.gather(1, idx))
                 sent = sent.reshape(-1)
             else:
-                sent = quantized_topk(coeffs, chunk, topk, bits)
+                sent = quantized_topk(coeffs, chunk, topk, bits, SCALE_DTYPES[scale_dtype])
             kept = ((coeffs - sent).view(-1, chunk) @ d).reshape(-1)
             m.copy_(kept[:n].view_as(m))
             sent_sum = sent if sent_sum is None else sent_sum + sent
@@ -112,10 +115,10 @@ def check_against_reference() -> list[dict]:
             momentum_gaps.append(max((saved[n] - m).abs().max().item() for n, m in zip(names, momenta[rank])))
             spreads.append(spread_across_ranks(net))
             bytes_.append(model.comm_stats["bytes_last_step"])
-            chunk = options["chunk"]
+            chunk, scale = options["chunk"], SCALE_DTYPES[options.get("scale_dtype", "fp32")]
             padded = [sum(math.ceil(v.numel() / chunk) * chunk for v in b.views) for b in model._core.reducer.buckets]
             expected.append(
-                sum((world - 1) * message_bytes(n, chunk, options["topk"], options.get("bits")) for n in padded)
+                sum((world - 1) * message_bytes(n, chunk, options["topk"], options.get("bits"), scale) for n in padded)
             )
         out.append(
             {"gaps": gaps, "momentum_gaps": momentum_gaps, "spreads": spreads, "bytes": bytes_, "expected": expected}

@@ -75,6 +75,10 @@ def test_message_bytes():
     assert message_bytes(1024, 512, 2, None) == 24  # 4 entries of float32 and int16 (past 256 values per chunk)
     # 2-bit: 2 scales (8 bytes), 8 uint8 indices, 8 codes in 2 bytes, to a multiple of 4
     assert message_bytes(128, 64, 4, 2) == 20
+    # bfloat16 scales: 2 chunks' scales in 4 bytes, then the same 8 indices and 2 bytes of codes
+    assert message_bytes(128, 64, 4, 2, torch.bfloat16) == 16
+    # demo:chunk=64,topk=2,bits=2 sends 6.5 bytes a chunk with float32 scales, 4.5 with bfloat16
+    assert message_bytes(64 * 1000, 64, 2, 2) == 6500 and message_bytes(64 * 1000, 64, 2, 2, torch.bfloat16) == 4500
 
 
 @pytest.mark.parametrize(
@@ -86,6 +90,8 @@ def test_message_bytes():
         ({"beta": -0.1}, r"beta must be a number in \[0, 1\)"),
         ({"bits": 3}, "bits must be one of"),
         ({"sign": 1}, "sign must be True or False"),
+        ({"scale_dtype": "bf16"}, "scale_dtype must be 'fp32' when bits is None"),
+        ({"bits": 2, "scale_dtype": "fp16"}, "scale_dtype must be one of 'fp32', 'bf16'"),
     ],
 )
 def test_bad_options_are_refused(options, says):

@@ -38,6 +38,28 @@ def test_round_trip_is_the_quantized_top_k(numel, chunk, density, bits):
     assert torch.equal(e[:numel][decoded == 0], x[decoded == 0])
 
 
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.parametrize("numel,chunk,topk", [(10_000, 64, 2), (70_001, 40_000, 5), (9, 4, 1)])
+def test_a_bfloat16_scale_halves_the_scales_and_decodes_as_sent(numel, chunk, topk, bits):
+    """The scale is rounded to bfloat16 before the values are quantized with it: the decode is the
+    reference's with that scale, the feedback keeps the rest, and the message is 2 bytes a chunk
+    shorter (the indices kept 4-byte aligned, even past 32768 values a chunk: int32)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3
+    full = TopK(numel, chunk=chunk, topk=topk, bits=bits)
+    codec = TopK(numel, chunk=chunk, topk=topk, bits=bits, scale_dtype=torch.bfloat16)
+    e = padded(codec, x)
+    message = codec.encode(e, codec.empty())
+    decoded = codec.decode(message)
+    torch.testing.assert_close(decoded, quantized_topk(x, chunk, topk, bits, torch.bfloat16), rtol=1e-6, atol=0)
+    assert not torch.equal(decoded, full.decode(full.encode(padded(full, x), full.empty())))  # the rounding shows
+    torch.testing.assert_close(e[:numel] + decoded, x, rtol=0, atol=1e-9)
+    scales = codec.parts(message)[0]
+    assert scales.dtype == torch.bfloat16 and scales.numel() == codec.chunks
+    assert full.nbytes - codec.nbytes == 4 * codec.chunks - -(-2 * codec.chunks // 4) * 4
+    with pytest.raises(ValueError, match="scale_dtype must be torch.float32 or torch.bfloat16"):
+        TopK(100, scale_dtype=torch.float16)
+
+
 def test_largest_value_of_a_chunk_is_sent_exactly_and_a_zero_chunk_as_zeros():
     codec = TopK(8, chunk=4, topk=2, bits=2)
     x = torch.tensor([0.0, -3.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0])
@@ -141,6 +163,7 @@ def test_decode_add_adds_scaled_into_the_target():
         ({"beta": 1.5}, r"beta must be a number in \[0, 1\]"),
         ({"hierarchical": "yes"}, "hierarchical"),
         ({"period": 4, "fragments": 5}, "fragments"),
+        ({"scale_dtype": "fp16"}, "scale_dtype must be one of 'fp32', 'bf16'"),
     ],
 )
 def test_bad_options_are_refused_saying_what_to_do(options, match):

@@ -8,10 +8,13 @@ import math
 import torch
 
 
-def quantized_topk(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tensor:
+def quantized_topk(
+    x: torch.Tensor, chunk: int, k: int, bits: int, scale_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The dense values a message of ``x`` carries: in each chunk (the fewest chunks of at most
     ``chunk`` values, all of one size, zero padding last), its ``k`` entries of largest magnitude
-    on ``2**bits`` levels symmetric about zero scaled by the chunk's largest; zeros elsewhere."""
+    on ``2**bits`` levels symmetric about zero scaled by the chunk's largest (the scale rounded to
+    ``scale_dtype``); zeros elsewhere."""
     n = x.numel()
     chunks = max(1, math.ceil(n / chunk))
     size = max(1, math.ceil(n / chunks))
@@ -23,7 +26,7 @@ def quantized_topk(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tens
         row = padded[c * size : (c + 1) * size]
         idx = torch.argsort(row.abs(), descending=True)[: min(k, size)]
         v = row[idx]
-        scale = 2 * v.abs().max() / top
+        scale = (2 * v.abs().max() / top).to(scale_dtype).float()
         if scale == 0:
             continue
         q = torch.round(v / scale + top / 2).clamp(0, top)

@@ -121,20 +121,32 @@ class FullTopK:
 Codec = Union[TopK, FullTopK]
 
 
-def codec(numel: int, chunk: int, topk: int, bits: Optional[int], device: torch.device, scratch: torch.Tensor) -> Codec:
+def codec(
+    numel: int,
+    chunk: int,
+    topk: int,
+    bits: Optional[int],
+    device: torch.device,
+    scratch: torch.Tensor,
+    scale_dtype: torch.dtype = torch.float32,
+) -> Codec:
     """The top-k codec of ``numel`` values (whole chunks): float32 values (``bits=None``) or
-    ``bits``-bit values with one scale per chunk (``TopK``); both share ``scratch`` (at least
-    ``scratch_numel(numel, chunk)`` float32 values) for a block of magnitudes."""
+    ``bits``-bit values with one ``scale_dtype`` scale per chunk (``TopK``); both share ``scratch``
+    (at least ``scratch_numel(numel, chunk)`` float32 values) for a block of magnitudes."""
     if bits is None:
         return FullTopK(numel, chunk, topk, device, scratch)
-    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch)
+    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch, scale_dtype=scale_dtype)
 
 
-def message_bytes(numel: int, chunk: int, topk: int, bits: Optional[int]) -> int:
-    """Bytes of one message of ``codec(numel, chunk, topk, bits, ...)`` (``numel`` a whole number of chunks)."""
+def message_bytes(
+    numel: int, chunk: int, topk: int, bits: Optional[int], scale_dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of one message of ``codec(numel, chunk, topk, bits, ..., scale_dtype)`` (``numel`` a
+    whole number of chunks)."""
     chunks, count = numel // chunk, (numel // chunk) * topk
     width = torch.empty((), dtype=index_dtype(chunk)).element_size()
     if bits is None:
         return -(-(4 + width) * count // 4) * 4
+    scales = -(-chunks * torch.empty((), dtype=scale_dtype).element_size() // 4) * 4
     codes = -(-count // (8 // bits)) * (8 // bits) * bits // 8
-    return -(-(4 * chunks + width * count + codes) // 4) * 4
+    return -(-(scales + width * count + codes) // 4) * 4

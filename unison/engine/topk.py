@@ -3,12 +3,12 @@
 A flat tensor is cut into equal chunks (``layout``); each chunk sends its ``k`` entries of
 largest magnitude: their positions in the chunk (in the smallest integer type that holds the
 chunk's size) and their values quantized to ``bits`` bits (2, 4 or 8) on a symmetric grid of
-``2**bits`` levels scaled by one float32 per chunk. Every message of a codec has the same size,
+``2**bits`` levels scaled by one float32 (or bfloat16) per chunk. Every message of a codec has the same size,
 so the ranks exchange them with one all-gather of equal buffers; each rank decodes every
 message (``decode_add``: a scatter-add into a dense target).
 
-Layout of one message (uint8, a multiple of 4 bytes): the chunks' scales (float32), the
-indices (``[chunks, k]``), then the codes bit-packed ``8 // bits`` to a byte, low bits first.
+Layout of one message (uint8, a multiple of 4 bytes): the chunks' scales (float32, or bfloat16
+padded to 4 bytes), the indices (``[chunks, k]``), then the codes bit-packed ``8 // bits`` to a byte, low bits first.
 
 See docs/algorithms.md#sparseloco.
 """
@@ -22,6 +22,8 @@ import torch
 #: Values per block of ``TopK.encode``'s loop: a block's magnitudes fit a core's L2 cache.
 BLOCK = 1 << 16
 BITS = (2, 4, 8)
+#: The dtypes a chunk's scale may travel in, by name: float32 (exact) or bfloat16 (half the bytes).
+SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CPU = torch.device("cpu")
 
 
@@ -74,6 +76,8 @@ class TopK:
         density: the share of each chunk sent, ``k = round(density * size)`` (at least 1).
         topk: ``k`` itself (at most the chunk's size), instead of ``density``.
         bits: bits per value: 2, 4 or 8.
+        scale_dtype: the dtype of each chunk's scale on the wire: float32, or bfloat16 (2 bytes
+            instead of 4, where small chunks make the scales a large share of a message).
         device: where the scratch lives (the tensors' device).
         scratch: a float32 buffer of at least ``scratch_numel(numel, chunk)`` values for the
             magnitudes of a block of chunks, shared by codecs run one at a time (default: its own).
@@ -81,6 +85,8 @@ class TopK:
     The values are quantized on ``2**bits`` levels symmetric about zero, ``(q - (L-1)/2) * scale``
     for ``q`` in ``0..L-1``, with ``scale = 2 max|v| / (L-1)``: the chunk's largest value is sent
     exactly, each other to within ``scale / 2``; a chunk of zeros has scale 0 and decodes to zeros.
+    A bfloat16 scale is rounded before the values are quantized with it, so the largest value is
+    sent to within 0.4% and clamped to the top level; what is sent is what every rank decodes.
 
     Example::
 
@@ -99,6 +105,7 @@ class TopK:
         bits: int = 2,
         device: torch.device = CPU,
         scratch: Optional[torch.Tensor] = None,
+        scale_dtype: torch.dtype = torch.float32,
     ) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
@@ -108,6 +115,9 @@ class TopK:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if topk is not None and topk < 1:
             raise ValueError(f"topk must be a positive integer, got {topk!r}")
+        if scale_dtype not in SCALE_DTYPES.values():
+            raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16, got {scale_dtype!r}")
+        self.scale_dtype = scale_dtype
         self.numel, self.bits, self.device = numel, bits, torch.device(device)
         self.chunks, self.size = layout(numel, chunk)
         self.k = min(self.size, topk if topk is not None else max(1, round(density * self.size)))
@@ -117,8 +127,10 @@ class TopK:
         width = torch.empty((), dtype=self.index_dtype).element_size()
         count = self.chunks * self.k
         self.codes_count = -(-count // (8 // bits)) * (8 // bits)  # whole bytes of codes
-        self._scales = (0, 4 * self.chunks)
-        self._indices = (self._scales[1], self._scales[1] + width * count)
+        scale_bytes = self.chunks * torch.empty((), dtype=scale_dtype).element_size()
+        self._scales = (0, scale_bytes)
+        start = -(-scale_bytes // 4) * 4  # the indices start 4-byte aligned
+        self._indices = (start, start + width * count)
         self._codes = (self._indices[1], self._indices[1] + self.codes_count * bits // 8)
         self.nbytes = -(-self._codes[1] // 4) * 4
         self.block = max(1, min(self.chunks, BLOCK // self.size))
@@ -138,9 +150,9 @@ class TopK:
         return torch.zeros(shape, dtype=torch.uint8, device=self.device)
 
     def parts(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of one message: scales ``[chunks]`` (float32), indices ``[chunks, k]``, packed codes."""
+        """Views of one message: scales ``[chunks]`` (``scale_dtype``), indices ``[chunks, k]``, packed codes."""
         s, i, c = self._scales, self._indices, self._codes
-        scales = message[s[0] : s[1]].view(torch.float32)
+        scales = message[s[0] : s[1]].view(self.scale_dtype)
         indices = message[i[0] : i[1]].view(self.index_dtype).view(self.chunks, self.k)
         return scales, indices, message[c[0] : c[1]]
 
@@ -163,6 +175,8 @@ class TopK:
             top, where = torch.topk(magnitudes, self.k, dim=1, sorted=False)
             chosen = torch.gather(rows, 1, where)
             scale = torch.amax(top, dim=1).mul_(2 / (self.levels - 1))
+            if self.scale_dtype != torch.float32:
+                scale = scale.to(self.scale_dtype).float()  # quantize with the scale the ranks decode with
             inverse = torch.reciprocal(scale).nan_to_num_(0.0, 0.0, 0.0)  # scale 0 (or not finite): factor 0
             q = chosen.mul_(inverse[:, None]).add_(self.half).round_().clamp_(0, self.levels - 1)
             codes[c0 : c0 + rows.shape[0]].copy_(q)

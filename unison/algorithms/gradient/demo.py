@@ -16,7 +16,7 @@ put back (``Entry.before``). See docs/algorithms.md#demo.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from ...engine.comm import Pending, Waitable, start
 from ...engine.comm import wait as comm_wait
 from ...engine.dct import Codec, codec, dct_matrix, message_bytes, transform_
 from ...engine.hierarchy import TwoLevel
-from ...engine.topk import BITS, BLOCK
+from ...engine.topk import BITS, BLOCK, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, Recovery, State
@@ -189,6 +189,9 @@ class Demo(Algorithm[DemoState]):
             False: the direction itself.
         bits: None sends float32 values; 2, 4 or 8 quantizes them with one float32 scale per
             chunk (``engine.topk``).
+        scale_dtype: with ``bits``, the dtype of each chunk's scale on the wire: ``"fp32"`` or
+            ``"bf16"`` (2 bytes instead of 4: with ``chunk=64,topk=2,bits=2`` a chunk sends 4.5
+            bytes instead of 6.5).
         hierarchical: the node sums the gradients at full precision; each local rank keeps the
             momentum of its shard (whole chunks) of the node's mean and all-gathers its message
             with the same local rank of the other nodes; the node gathers the direction.
@@ -224,6 +227,7 @@ class Demo(Algorithm[DemoState]):
     topk: int = 4
     sign: bool = False
     bits: Optional[int] = None
+    scale_dtype: Literal["fp32", "bf16"] = "fp32"
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
@@ -239,8 +243,20 @@ class Demo(Algorithm[DemoState]):
         options.boolean("sign", self.sign)
         if self.bits is not None:
             options.choice("bits", self.bits, BITS)
+        options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+        if self.bits is None and self.scale_dtype != "fp32":
+            raise options.OptionError(
+                "scale_dtype",
+                "'fp32' when bits is None (float32 values carry no scale); set bits=2, 4 or 8",
+                self.scale_dtype,
+            )
         options.boolean("hierarchical", self.hierarchical)
         super().__post_init__()
+
+    @property
+    def _scale(self) -> torch.dtype:
+        """The torch dtype ``scale_dtype`` names."""
+        return SCALE_DTYPES[self.scale_dtype]
 
     def setup(self, replica: Replica) -> DemoState:
         self.check_optimizers(replica)
@@ -317,9 +333,11 @@ class Demo(Algorithm[DemoState]):
         if levels is not None:
             bounds = shard_bounds(padded, self.chunk, levels.local_size)
             shard = levels.shard_numel(padded, bounds)
-            cross = (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.bits) if shard else 0
+            cross = (
+                (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.bits, self._scale) if shard else 0
+            )
             return 2 * levels.leg_bytes(padded, 4, bounds) + cross
-        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.bits)
+        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.bits, self._scale)
 
     def _reduce_nodes(self, state: DemoState, bucket: Bucket, entry: Entry) -> Waitable:
         """Hierarchical: the bucket's gradients into its node buffer (in the momentum's layout), the
@@ -381,7 +399,7 @@ class Demo(Algorithm[DemoState]):
             state.target = torch.empty(n, dtype=torch.float32, device=device)
         found = state.codecs.get(bucket.index)
         if found is None or found[0] != n or found[3].shape[0] != world:
-            c = codec(n, self.chunk, self.topk, self.bits, device, scratch)
+            c = codec(n, self.chunk, self.topk, self.bits, device, scratch, self._scale)
             found = state.codecs[bucket.index] = (n, c, c.empty(), c.empty(world))
         return found
 
@@ -433,7 +451,7 @@ class NodePart:
         self.mine: Optional[torch.Tensor] = None
         self.everyone: Optional[torch.Tensor] = None
         if end > start:
-            self.codec = codec(end - start, algo.chunk, algo.topk, algo.bits, device, scratch)
+            self.codec = codec(end - start, algo.chunk, algo.topk, algo.bits, device, scratch, algo._scale)
             self.mine, self.everyone = self.codec.empty(), self.codec.empty(levels.nodes)
         self.work = torch.zeros(numel, dtype=torch.float32, device=device)
 
