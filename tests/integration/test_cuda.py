@@ -52,7 +52,9 @@ SPECS = [
     "diloco:period=4,wire_dtype=int8",
     "daso:warmup_epochs=0",
     "sparseloco:period=2",
+    "sparseloco:period=2,scale_dtype=bf16",
     "demo",
+    "demo:sign=True,bits=2,topk=2,scale_dtype=bf16",
 ]
 # gloo sends and receives host memory only: over it a point-to-point round in flight is staged on the
 # host (what the ring's fragment and low_precision_decentralized's 8-bit messages weigh); NCCL would not.
