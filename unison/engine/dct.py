@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from .topk import BLOCK, TopK, index_dtype
+from .topk import BLOCK, TopK, index_dtype, sections
 
 CPU = torch.device("cpu")
 
@@ -143,10 +143,7 @@ def message_bytes(
 ) -> int:
     """Bytes of one message of ``codec(numel, chunk, topk, bits, ..., scale_dtype)`` (``numel`` a
     whole number of chunks)."""
-    chunks, count = numel // chunk, (numel // chunk) * topk
+    if bits is not None:
+        return sections(numel // chunk, topk, chunk, bits, scale_dtype)[3]
     width = torch.empty((), dtype=index_dtype(chunk)).element_size()
-    if bits is None:
-        return -(-(4 + width) * count // 4) * 4
-    scales = -(-chunks * torch.empty((), dtype=scale_dtype).element_size() // 4) * 4
-    codes = -(-count // (8 // bits)) * (8 // bits) * bits // 8
-    return -(-(scales + width * count + codes) // 4) * 4
+    return -(-(4 + width) * (numel // chunk) * topk // 4) * 4

@@ -45,6 +45,20 @@ def index_dtype(size: int) -> torch.dtype:
     return torch.uint8 if size <= 1 << 8 else torch.int16 if size <= 1 << 15 else torch.int32
 
 
+def sections(
+    chunks: int, k: int, size: int, bits: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[slice, slice, slice, int]:
+    """Where a message of ``chunks`` chunks of ``size`` values, ``k`` sent each, keeps its scales,
+    indices and packed codes (byte slices), and its size in bytes: the scales first, then the
+    indices from a 4-byte boundary, then the codes, the whole padded to 4 bytes."""
+    scales = chunks * torch.empty((), dtype=scale_dtype).element_size()
+    start = -(-scales // 4) * 4  # the indices start 4-byte aligned
+    count = chunks * k
+    indices = start + count * torch.empty((), dtype=index_dtype(size)).element_size()
+    codes = indices + -(-count // (8 // bits)) * (8 // bits) * bits // 8  # whole bytes of codes
+    return slice(0, scales), slice(start, indices), slice(indices, codes), -(-codes // 4) * 4
+
+
 def pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
     """Pack ``codes`` (flat uint8, each below ``2**bits``, a multiple of ``8 // bits`` of them)
     into ``out`` (uint8, ``len(codes) * bits // 8`` bytes), low bits first; returns ``out``."""
@@ -124,15 +138,11 @@ class TopK:
         self.levels = 1 << bits
         self.half = (self.levels - 1) / 2
         self.index_dtype = index_dtype(self.size)
-        width = torch.empty((), dtype=self.index_dtype).element_size()
         count = self.chunks * self.k
         self.codes_count = -(-count // (8 // bits)) * (8 // bits)  # whole bytes of codes
-        scale_bytes = self.chunks * torch.empty((), dtype=scale_dtype).element_size()
-        self._scales = (0, scale_bytes)
-        start = -(-scale_bytes // 4) * 4  # the indices start 4-byte aligned
-        self._indices = (start, start + width * count)
-        self._codes = (self._indices[1], self._indices[1] + self.codes_count * bits // 8)
-        self.nbytes = -(-self._codes[1] // 4) * 4
+        self._scales, self._indices, self._codes, self.nbytes = sections(
+            self.chunks, self.k, self.size, bits, scale_dtype
+        )
         self.block = max(1, min(self.chunks, BLOCK // self.size))
         if scratch is None:
             scratch = torch.empty(self.block * self.size, dtype=torch.float32, device=self.device)
@@ -151,10 +161,9 @@ class TopK:
 
     def parts(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of one message: scales ``[chunks]`` (``scale_dtype``), indices ``[chunks, k]``, packed codes."""
-        s, i, c = self._scales, self._indices, self._codes
-        scales = message[s[0] : s[1]].view(self.scale_dtype)
-        indices = message[i[0] : i[1]].view(self.index_dtype).view(self.chunks, self.k)
-        return scales, indices, message[c[0] : c[1]]
+        scales = message[self._scales].view(self.scale_dtype)
+        indices = message[self._indices].view(self.index_dtype).view(self.chunks, self.k)
+        return scales, indices, message[self._codes]
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Values of ``codes`` (``[c, k]``) in chunks of ``scales`` (``[c]``): new float32 ``[c, k]``."""
