@@ -322,6 +322,33 @@ def test_the_stop_rule(tmp_path):
     assert [p[1] for p in reference.curve] == [5, 6]
 
 
+def beating(tmp_path, *beats: float) -> tuple[runner.RankGroup, str]:
+    """A one-rank group whose process touches a heartbeat file after each of ``beats`` seconds
+    (a step each), then sleeps on: the heartbeat ``runner.wait`` watches."""
+    tmp_path.mkdir()
+    heartbeat = str(tmp_path / "beat")
+    code = (
+        "import pathlib, sys, time\n"
+        "for pause in map(float, sys.argv[2:]):\n"
+        "    time.sleep(pause); pathlib.Path(sys.argv[1]).touch()\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, heartbeat, *map(str, beats)])
+    return runner.RankGroup([proc], []), heartbeat
+
+
+def test_a_contender_whose_every_step_is_slow_is_not_taken_for_a_hung_one(tmp_path):
+    """The stall rule: a pause of ``stall_s`` and ten times the slowest step so far. It once had
+    no slowest step after the first (a bench of torch DDP on a 10 Mbit/s link failed as "hung"
+    while its second step ran); the first step now counts from the start."""
+    group, heartbeat = beating(tmp_path / "slow", 0.4, 1.5)  # the second step takes 1.5 s
+    why = runner.wait(group, timeout=3.0, heartbeat=heartbeat, first_step_s=2.0, stall_s=1.0)
+    assert why == "timed out after 3 s"  # not "hung": it beat twice, the last after 1.9 s
+    group, heartbeat = beating(tmp_path / "hung", 0.2)  # one step, then nothing
+    why = runner.wait(group, timeout=20.0, heartbeat=heartbeat, first_step_s=2.0, stall_s=1.0)
+    assert why is not None and why.startswith("hung: no training step finished for"), why
+
+
 # ---- emulated networks --------------------------------------------------------------
 @needs_netns
 def test_network_up_and_down():

@@ -172,10 +172,12 @@ def wait(
     A contender fails when a rank fails, when it runs past ``timeout``, or when
     rank 0 stops finishing steps (its ``heartbeat`` file is touched after each):
     no first step within ``first_step_s``, or a pause longer than ``stall_s`` and
-    ten times the slowest step so far. Some failures hang rather than crash (torch's
-    PowerSGD hook on gloo sometimes does), and gloo's own timeout does not catch them all.
+    ten times the slowest step so far (the first counted from the start: a contender whose
+    every step is slow, torch DDP on a 1 Mbit/s link, is not taken for a hung one after
+    its first step). Some failures hang rather than crash (torch's PowerSGD hook on gloo
+    sometimes does), and gloo's own timeout does not catch them all.
     """
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()  # the heartbeat's mtime is wall-clock time
     deadline = start + timeout
     failed_at = None
     last_beat, slowest = None, 0.0
@@ -194,8 +196,7 @@ def wait(
                 return f"timed out after {timeout:.0f} s"
             beat = _mtime(heartbeat)
             if beat is not None and beat != last_beat:
-                if last_beat is not None:
-                    slowest = max(slowest, beat - last_beat)
+                slowest = max(slowest, beat - (last_beat if last_beat is not None else started_at))
                 last_beat = beat
             if heartbeat and not bad:
                 if last_beat is None and now - start > first_step_s:
