@@ -46,7 +46,9 @@ class StatusPage:
         return f"http://{host}:{self.port}/"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.server.serve_forever, name="unison-status", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="unison-status", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
