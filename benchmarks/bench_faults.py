@@ -24,7 +24,10 @@ Parts (``--only``, default all):
   shown: process start (fork, read from /proc, to the script's first line),
   imports + admission (``unison.init()``; the joiner builds its model before),
   and the members' pause (their longest gap between two steps around the
-  join, minus one step). Target: at most 0.5 s + 10 ms/MB.
+  join, minus one step), and the whole of it: from the launcher's line that
+  started the replacement to its first committed step. Target: at most 0.5 s +
+  10 ms/MB. ``--preload MODULES`` forks the heal and goodput jobs' workers
+  from a template that imported MODULES (``unison launch --preload``).
 * ``overhead``: 2 workers; ``fault_tolerant=True`` against ``False`` for
   allreduce and diloco (period 16), beside ``compute`` (no communication), in
   fresh ``unison launch --fault-tolerant`` jobs of ``--rounds-per-job`` rounds:
@@ -229,9 +232,10 @@ class Job:
         return "\n".join(line for _, line in self.lines[-n:])
 
 
-def ft_command(nproc: int, out: Path, *worker_args: Any, respawn: bool = False) -> list[str]:
+def ft_command(nproc: int, out: Path, *worker_args: Any, respawn: bool = False, preload: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", str(nproc)]
     cmd += ["--respawn"] if respawn else []
+    cmd += ["--preload", preload] if preload else []
     return cmd + [str(WORKER), *worker_args[:1], "--out", str(out), *map(str, worker_args[1:])]
 
 
@@ -437,6 +441,7 @@ def heal_part(args: argparse.Namespace, root: Path) -> dict:
             "--chain-after",
             args.chain_after,
             respawn=True,
+            preload=args.preload,
         )
         job = Job(cmd, out, timeout=90 + 20 * args.repeats * (1 + mb / 25))
         code = job.wait(on_false="rescue")
@@ -458,6 +463,7 @@ def heal_part(args: argparse.Namespace, root: Path) -> dict:
             "transfer_median_s": med([row["transfer_s"] for row in rows]),
             "dataparallel_median_s": med([row["dataparallel_s"] for row in rows]),
             "process_start_median_s": med([row["process_start_s"] for row in rows]),
+            "started_to_first_step_median_s": med([row["started_to_first_step_s"] for row in rows]),
             "imports_median_s": med([row["imports_s"] for row in rows]),
             "admission_median_s": med([row["admission_s"] for row in rows]),
             "members_pause_median_s": med([row["members_pause_s"] for row in rows]),
@@ -506,6 +512,7 @@ def heal_rows(out: Path, job: Job) -> list[dict]:
                 "transfer_s": float(transfer.group(1)) if transfer else float("nan"),
                 "process_start_s": tl["script_start"] - tl["spawned"],
                 "process_start_launcher_s": tl["script_start"] - spawned_seen.get(wid, float("nan")),
+                "started_to_first_step_s": tl["first_commit"] - spawned_seen.get(wid, float("nan")),
                 "imports_s": tl["imported"] - tl["script_start"],
                 "admission_s": tl["init_done"] - tl["built"],
                 "members_pause_s": max(pauses, default=float("nan")),
@@ -674,7 +681,7 @@ def chaos_run(kind: str, out: Path, args: argparse.Namespace, schedule: list[flo
     SIGKILLed (it would hold everyone up for a minute); that window then has no figure (``same_job``)."""
     limit = args.clean_seconds + args.chaos_seconds + 180
     if kind == "ft":
-        job = Job(ft_command(3, out, "train", respawn=True), out, timeout=limit)
+        job = Job(ft_command(3, out, "train", respawn=True, preload=args.preload), out, timeout=limit)
     else:
         worker = ["elastic", "--ckpt", out / "ckpt.pt", "--checkpoint-every", args.checkpoint_every]
         job = Job(torchrun_command(3, out, *worker, max_restarts=10000), out, timeout=limit)
@@ -787,6 +794,7 @@ def table(results: dict) -> list[str]:
                 f"{s['imports_median_s'] + s['admission_median_s']:.3f} s",
             )
             row(f"  {s['mb']:g} MB: members' pause - 1 step", f"{s['members_pause_median_s']:.3f} s")
+            row(f"  {s['mb']:g} MB: launcher's start to its first step", f"{s['started_to_first_step_median_s']:.3f} s")
     if "overhead" in results:
         o = results["overhead"]
         w = o["within_one_job"]
@@ -861,6 +869,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chaos-seconds", type=float, default=60.0)
     parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun path: unison.save every N steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="heal and goodput parts: unison launch --preload MODULES (workers forked from a template)",
+    )
     parser.add_argument("--keep", default=None, help="keep the runs' files in this directory")
     parser.add_argument("--json", default=str(HERE / "results" / "faults.json"))
     parser.add_argument(

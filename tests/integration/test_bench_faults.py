@@ -27,7 +27,7 @@ def test_kill_heal_and_overhead(tmp_path):
     report, printed = bench(
         tmp_path,
         *("--only", "kill,heal,overhead", "--repeats", "1", "--at", "20"),
-        *("--heal-mb", "1", "--chain-after", "10"),
+        *("--heal-mb", "1", "--chain-after", "10", "--preload", "torch,torch._dynamo,unison"),
         *("--overhead-rounds", "3", "--rounds-per-job", "3", "--overhead-algorithms", "allreduce"),
         *("--overhead-jobs", "0", "--window", "8", "--warmup", "4"),
     )
@@ -37,10 +37,13 @@ def test_kill_heal_and_overhead(tmp_path):
     heal = report["heal"]["sizes"]["1"]
     assert len(heal["repeats"]) >= 1 and 0 < heal["heal_median_s"] < 10, heal
     assert 0 < heal["process_start_median_s"] < 10
+    assert heal["process_start_median_s"] < heal["started_to_first_step_median_s"] < 10  # forked: no imports
+    assert heal["imports_median_s"] < 1.0, heal  # torch was imported by the template
     within = report["overhead"]["within_one_job"]
     assert within["rounds_valid"] == 3, within
     assert 0 < within["algorithms"]["allreduce"]["ft_vs_plain"] < 10
     assert "kill latency" in printed and "heal 1 MB" in printed and "overhead allreduce" in printed
+    assert "launcher's start to its first step" in printed
 
 
 def test_goodput_beside_torchrun(tmp_path):

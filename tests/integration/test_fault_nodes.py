@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from launch import PRELOAD
+
 from integration.test_launcher import ENV, SCRIPT, Launcher, alive, gone_within
 
 LIMIT_S = 90
@@ -24,7 +26,7 @@ def launch(out: Path, launcher: tuple, *args: str, steps: int = 40, sleep: float
     """Run the ledger job (``args``: its own) under a launcher of nodes (``launcher``: its options);
     return (exit code, stderr, {worker id: result})."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--no-status", *launcher]
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--no-status", *PRELOAD, *launcher]
     cmd += [str(SCRIPT), "--out", str(out), "--steps", str(steps), "--sleep", str(sleep), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
     found = {}

@@ -177,6 +177,22 @@ def test_a_script_failing_at_import_is_not_respawned_for_ever(launcher, tmp_path
     assert "No module named 'unison_no_such_module_for_the_test'" in shown
 
 
+@pytest.mark.parametrize("preload", [(), ("--preload", "torch,unison")])
+def test_a_worker_that_finishes_with_a_nonzero_status_fails_the_job(launcher, tmp_path, preload):
+    """Its "done" message comes from the atexit handler, which runs for sys.exit(3) too: the job
+    used to end with 0, as if every worker had succeeded."""
+    script = tmp_path / "exit3.py"
+    script.write_text(
+        "import os, sys, unison\nunison.init()\n"
+        "open(os.path.join(sys.argv[1], f'pid-{os.getpid()}'), 'w').close()\n"
+        "sys.exit(3 if os.environ['UNISON_FT_ID'] == '1' else 0)\n"
+    )
+    job = launcher("--no-status", *preload, nproc=2, script=script)
+    assert job.wait(LIMIT_S) == 1, job.tail()
+    assert re.search(r"failure: worker 1 \(pid \d+\) finished, then exited with 3", job.stderr), job.tail()
+    assert "worker 0 (pid" not in job.stderr  # it finished with 0
+
+
 def test_a_worker_of_the_first_membership_failing_at_start_up_stops_the_job_at_once(launcher, tmp_path):
     """Without --respawn the first membership would wait for it (until the others give up after a
     minute): the launcher stops the healthy worker, which joined meanwhile, and shows the error."""

@@ -14,10 +14,13 @@ read-only status page unless ``--no-status``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 from typing import Optional
 
 from ..runtime import agent, coordinator
+from ..runtime.template import TemplateError
 from .argtypes import non_negative_int, positive_float, positive_int
 
 LAUNCH_EPILOG = """\
@@ -70,6 +73,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-status", action="store_true", help="serve no status page")
 
 
+def module_list(text: str) -> tuple[str, ...]:
+    """``--preload``: a comma list of modules that can be found here (not imported yet)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one module, e.g. torch,unison")
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise argparse.ArgumentTypeError(f"no module named {name!r} here (a comma list of modules: torch,unison)")
+    return names
+
+
 def add_parsers(subparsers) -> None:
     """Declare ``unison launch`` and ``unison coordinator``."""
     p = subparsers.add_parser(
@@ -111,6 +129,14 @@ def add_parsers(subparsers) -> None:
         default=None,
         help="the store's port (default: one the OS picks as the store binds it)",
     )
+    p.add_argument(
+        "--preload",
+        metavar="MODULES",
+        type=module_list,
+        default=(),
+        help="comma list of modules (torch,unison) a template process imports once; each worker, and "
+        "each replacement, is forked from it and runs the script without importing them again",
+    )
     _common(p)
     p.add_argument("script", help="the training script, run as `python script ARGS`")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -141,6 +167,7 @@ def _settings(args: argparse.Namespace, nproc: int, **extra) -> coordinator.Sett
         stale_s=args.heartbeat_timeout,
         status_port=None if args.no_status else args.status_port,
         status_host=args.status_host,
+        preload=getattr(args, "preload", ()),
         **extra,
     )
 
@@ -152,7 +179,11 @@ def _serve(name: str, settings: coordinator.Settings, command: Optional[list[str
     except ValueError as exc:
         print(f"unison {name}: {exc}", file=sys.stderr)
         return 2
-    return boss.run()
+    try:
+        return boss.run()
+    except TemplateError as exc:
+        print(f"unison {name}: {exc}", file=sys.stderr)
+        return 1
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -163,6 +194,8 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.procs_per_node != 1:
         return _usage("--nproc counts one-process nodes: use --nodes N --procs-per-node P")
     nproc = args.nproc or args.nodes * args.procs_per_node
+    if args.preload and not os.path.isfile(args.script):
+        return _usage(f"--preload runs a script file, and {args.script!r} is not one")
     if args.min_replicas > nproc:
         return _usage(f"--min-replicas {args.min_replicas} is more than the {nproc} worker processes")
     settings = _settings(
@@ -197,6 +230,10 @@ def run_agent(args: argparse.Namespace) -> int:
     given = [flag for flag, name in COORDINATOR_ONLY.items() if getattr(args, name) != defaults[name]]
     if given:
         return _usage(f"{', '.join(given)} belong to `unison coordinator`, not to a node's agent (--coordinator)")
+    if args.preload:
+        return _usage(
+            "--preload forks the workers of --nproc or --nodes; a node's agent (--coordinator) starts them as python script"
+        )
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         return _usage(f"--coordinator {args.coordinator!r} is not HOST:PORT (e.g. node0:29400)")

@@ -53,11 +53,12 @@ import subprocess
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
 from .status_page import StatusPage
+from .template import Forked, Template
 
 logger = logging.getLogger("unison.launch")
 
@@ -105,6 +106,8 @@ class Settings:
             would fail the same way), as torchrun's ``--max-restarts`` bounds restarts.
         status_port: serve the status page on this port (0: one the OS picks; None: no page).
         status_host: the address the status page listens on (loopback: this machine only).
+        preload: modules a template process imports once; workers are forked from it
+            (``runtime.template``) instead of started as ``python script``. Empty: not.
     """
 
     nproc: int = 0
@@ -119,12 +122,13 @@ class Settings:
     max_start_failures: int = 3
     status_port: Optional[int] = None
     status_host: str = "127.0.0.1"
+    preload: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
 class Worker:
     id: int
-    process: Optional[subprocess.Popen] = None
+    process: Optional[Union[subprocess.Popen, Forked]] = None
     beat: int = -1
     beat_seen: float = 0.0
     state: str = "starting"  # starting, waiting, member, finished, dead, evicted, left
@@ -237,6 +241,8 @@ class Coordinator:
         for name, target in (("inbox", self._read_inbox), ("abort", self._wait_abort)):
             client = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
             threading.Thread(target=target, args=(client,), name=f"unison-coordinator-{name}", daemon=True).start()
+        # Workers forked from a template (``--preload``): it imports while ``run`` gets going.
+        self.template = Template(settings.preload) if settings.preload and self.command else None
 
     # ---- the store's messages ------------------------------------------------------------
     def _read_inbox(self, client: dist.TCPStore) -> None:
@@ -287,7 +293,11 @@ class Coordinator:
             UNISON_FT_ID=str(wid),
             **node_env(node, local_rank, size),
         )
-        process = subprocess.Popen(self.command, env=env, stderr=subprocess.PIPE, start_new_session=True)
+        process: Union[subprocess.Popen, Forked]
+        if self.template is not None:
+            process = self.template.spawn(self.command, env)
+        else:
+            process = subprocess.Popen(self.command, env=env, stderr=subprocess.PIPE, start_new_session=True)
         worker = Worker(
             wid,
             process,
@@ -632,6 +642,8 @@ class Coordinator:
         finally:
             self.ending = True
             self.stop_workers()
+            if self.template is not None:
+                self.template.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.page is not None:
@@ -697,7 +709,19 @@ class Coordinator:
         broken = [wid for wid in self.members if self.workers[wid].state not in ("finished", "left")]
         if broken:
             self.note("failure", f"member(s) {broken} of the last membership did not finish")
-        if self.aborted is not None or finished == 0 or broken:
+        # A worker's "done" comes from its atexit handler, which also runs for sys.exit(3): the exit
+        # status it then ends with is the script's word on how it went, as under torchrun. A signal
+        # after "done" (its steps are committed) is shown, not counted: see docs/fault-tolerance.md#limits.
+        failed_after = []
+        for w in self.workers.values():
+            code = w.process.poll() if w.process is not None and w.state == "finished" else None
+            if code is not None and code > 0:
+                failed_after.append(w.id)
+                note = f"worker {w.id} (pid {w.pid or '?'}) finished, then exited with {code}"
+                self.note("failure", note, worker=w.id, exit_code=code)
+            elif code is not None and code < 0:
+                logger.warning("worker %d (pid %s) finished, then died by signal %d as it exited", w.id, w.pid, -code)
+        if self.aborted is not None or finished == 0 or broken or failed_after:
             return 1
         return 0
 
