@@ -11,9 +11,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from integration.test_launcher import gone_within
 from unison.apps.launch_cmd import module_list
 
 LIMIT_S = 60
@@ -121,19 +121,7 @@ def test_the_template_ends_with_the_job(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (template,) = {int(p.read_text()) for p in tmp_path.glob("parent-*")}  # both forked by one template
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and alive(template):
-        time.sleep(0.05)
-    assert not alive(template)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert gone_within([template], 10.0) == []
 
 
 def test_bad_preload_values_are_refused_with_what_to_do(tmp_path):
