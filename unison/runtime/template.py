@@ -202,7 +202,6 @@ class Forked:
     def __init__(self, template: "Template", pid: int, stderr: Any) -> None:
         self.template, self.pid, self.stderr = template, pid, stderr
         self.returncode: Optional[int] = None
-        self.args = None
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
