@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench_faults import ENV, HERE, Job, fresh, ft_command, load_json, med, p95, steps_of
+from fault_jobs import ENV, HERE, Job, fresh, ft_command, load_json, med, p95, steps_of
 
 TORCHFT_WORKER = HERE / "torchft_worker.py"
 

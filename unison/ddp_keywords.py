@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 _DELAYED = (
     "delaying some parameters' allreduce to another parameter's gradient hook is not supported; "
@@ -236,3 +237,19 @@ def _index(device: Device) -> int:
         return device
     d = torch.device(device)
     return d.index if d.index is not None else torch.accelerator.current_device_index()
+
+
+def refuse_positional_device_ids(optimizer: Any) -> None:
+    """torch DDP's ``DDP(net, [rank])`` passes device_ids second, where unison takes the optimizer."""
+    if isinstance(optimizer, (list, tuple)) and any(
+        isinstance(o, (int, str, torch.device)) and not isinstance(o, bool) for o in optimizer
+    ):
+        raise TypeError(
+            f"DataParallel's second argument is the optimizer, got {optimizer!r}; pass torch DDP's "
+            "device_ids by keyword: DataParallel(module, device_ids=[...])"
+        )
+
+
+def moved(tree: Any, device: torch.device) -> Any:
+    """Every tensor in ``tree`` on ``device`` (torch DDP moves inputs to ``device_ids[0]``)."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)

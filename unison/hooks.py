@@ -9,6 +9,7 @@ algorithm leaves. Nothing here is an algorithm's to call.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable, Optional
 
@@ -157,3 +158,23 @@ def _unpatch(patches: list[tuple[Any, str, Any]]) -> None:
         else:
             setattr(obj, attr, previous)
     patches.clear()
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` kept out of torch.compile: traced, a call to it runs eagerly between the module's
+    graphs (``torch.compiler.disable``); otherwise it is a plain call. The disabled function is
+    made at the first traced call, as torch DDP's ``torch._disable_dynamo`` makes it: decorating
+    with ``torch.compiler.disable`` would import torch._dynamo (and sympy) into every process
+    that imports unison, 2-3 s at start and about 1 s at exit, compiled or not."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        disabled = getattr(fn, "_unison_disabled", None)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+            fn._unison_disabled = disabled  # type: ignore[attr-defined]
+        return disabled(*args, **kwargs)
+
+    return call

@@ -8,36 +8,34 @@ default algorithm, "allreduce", averages gradients in flat buckets overlapped
 with backward. Join's hook is in ``unison.join``, the non-finite agreement in
 ``unison.engine.nonfinite``, the debug check in ``unison.debug``, torch DDP's
 keywords and checks in ``unison.ddp_keywords``, torch's comm-hook contract in
-``unison.comm_hook`` and fault tolerance in ``unison.fault``.
+``unison.comm_hook``, fault tolerance in ``unison.fault`` and what pickling keeps in
+``unison.pickling``.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import os
 import warnings
 import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
-from . import comm_hook, ddp_keywords
+from . import comm_hook, ddp_keywords, pickling
 from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
 from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
-from .engine.comm import AsyncBroadcast, all_gather_objects, default_broadcast
+from .engine.comm import AsyncBroadcast, default_broadcast, raised_everywhere
 from .engine.reducer import GradReducer
 from .fault import FaultTolerance, joining_member
+from .hooks import eager
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
 from .runtime import health, private_group
 
@@ -46,26 +44,6 @@ __all__ = ["ALGORITHM_KEY", "DataParallel"]
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
 
 logger = logging.getLogger("unison")
-
-
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` kept out of torch.compile: traced, a call to it runs eagerly between the module's
-    graphs (``torch.compiler.disable``); otherwise it is a plain call. The disabled function is
-    made at the first traced call, as torch DDP's ``torch._disable_dynamo`` makes it: decorating
-    with ``torch.compiler.disable`` would import torch._dynamo (and sympy) into every process
-    that imports unison, 2-3 s at start and about 1 s at exit, compiled or not."""
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        disabled = getattr(fn, "_unison_disabled", None)
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-            fn._unison_disabled = disabled  # type: ignore[attr-defined]
-        return disabled(*args, **kwargs)
-
-    return call
 
 
 class DataParallel(nn.Module):
@@ -188,13 +166,13 @@ class DataParallel(nn.Module):
         worker = joining_member(fault_tolerant, algorithm, group, optimizer)
         self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
         # Checks that may differ between ranks are agreed on before any other collective.
-        with _raised_everywhere(self.process_group if worker is None else None):
+        with raised_everywhere(self.process_group if worker is None else None):
             torch_keywords = ddp_keywords.parse(ddp_kwargs, stacklevel=3)
             if ft_offload and not fault_tolerant:
                 raise ValueError(
                     "ft_offload=True keeps fault tolerance's saved gradients on the host: it needs fault_tolerant=True"
                 )
-            _refuse_positional_device_ids(optimizer)
+            ddp_keywords.refuse_positional_device_ids(optimizer)
             bucket_cap_mb = check_bucket_cap(25 if bucket_cap_mb is None else bucket_cap_mb)
             if nonfinite not in nonfinite_.MODES:
                 raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
@@ -435,7 +413,7 @@ class DataParallel(nn.Module):
     # ---- the training step ---------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.device_ids:  # torch DDP's device_ids: inputs are moved to the module's device
-            args, kwargs = _moved((args, kwargs), torch.device(self.device_type, self.device_ids[0]))
+            args, kwargs = ddp_keywords.moved((args, kwargs), torch.device(self.device_type, self.device_ids[0]))
         if self._restored:
             return self._restored_forward(*args, **kwargs)
         watch = self._before_module()
@@ -449,7 +427,7 @@ class DataParallel(nn.Module):
     # Under torch.compile the wrapper's bookkeeping runs eagerly, between the module's graphs
     # (as torch DDP's pre- and post-forward do): traced, its counters would be guarded on and
     # the forward recompiled at every step, and the reducer's autograd hooks cannot be traced.
-    @_eager
+    @eager
     def _before_module(self) -> bool:
         """Join's announcement, the debug check, the algorithm's before-forward, the engine's
         pass; True if the output is to be watched for the synchronized backward."""
@@ -467,7 +445,7 @@ class DataParallel(nn.Module):
             reducer.prepare(self._require_sync)
             return self._require_sync
 
-    @_eager
+    @eager
     def _after_module(self, output: Any, watch: bool) -> Any:
         with self._core.entry("forward"):
             reducer = self._core.reducer
@@ -480,12 +458,12 @@ class DataParallel(nn.Module):
         """A restored wrapper's forward: the module's, synchronizing nothing (said once when training)."""
         if torch.is_grad_enabled() and not self.__dict__.get("_warned_restored"):
             self._warned_restored = True
-            warnings.warn(_RESTORED + " Backward computes this process's gradients only.", stacklevel=3)
+            warnings.warn(pickling.RESTORED + " Backward computes this process's gradients only.", stacklevel=3)
         return self.module(*args, **kwargs)
 
     def _require_live(self, what: str) -> None:
         if self._restored:
-            raise RuntimeError(f"{what}: {_RESTORED}")
+            raise RuntimeError(f"{what}: {pickling.RESTORED}")
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -603,7 +581,8 @@ class DataParallel(nn.Module):
 
     def _agree_finite(self, shadow: bool) -> None:
         """Gradients the engine did not screen this step (model averaging): agree on the first bad one."""
-        if self.nonfinite is None or nonfinite_.screened(self._core.reducer, self.world_size):
+        reducer = self._core.reducer
+        if self.nonfinite is None or (reducer is not None and reducer.screened(self.world_size)):
             return
         trainable = self._core.replica.trainable
         if nonfinite_.agree_at_step(trainable, self.nonfinite, self.rank, self.world_size, self._step_group, shadow):
@@ -708,7 +687,7 @@ class DataParallel(nn.Module):
             state = {k[len("module.") :]: v for k, v in state.items()}
         if entry is not None and self._restored:
             if strict:
-                raise ValueError(f"the state dict holds an algorithm's state: {_RESTORED}")
+                raise ValueError(f"the state dict holds an algorithm's state: {pickling.RESTORED}")
             entry = None
         ours = entry is not None and self._core.accepts(
             entry, strict, "model", _SWITCH_FIRST
@@ -718,22 +697,19 @@ class DataParallel(nn.Module):
             self._core.events.load_state_dict(entry["state"])
         return result
 
-    # ---- pickling ---------------------------------------------------------
+    # ---- pickling (unison.pickling) ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """What ``torch.save(model)`` and ``copy.deepcopy(model)`` keep: pending updates are
         applied first, then the live parts are left out (the class docstring says which)."""
-        if "_core" in self.__dict__:
+        live = "_core" in self.__dict__
+        if live:
             self.flush()
-        state = {k: v for k, v in self.__dict__.items() if k not in _LIVE}
-        if "_core" in self.__dict__ and self._core.hooks.module_hooks:
-            state["_modules"] = {"module": _without_hooks(self.module, self._core.hooks.module_hooks)}
-        state["_saved_algorithm"] = self.algorithm  # configuration only
-        state["_saved_bucket_cap_mb"] = self.bucket_cap_mb
-        return state
+        hooks = self._core.hooks.module_hooks if live else []
+        return pickling.picklable(self.__dict__, self.module, hooks, self.algorithm, self.bucket_cap_mb)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        algorithm = state.pop("_saved_algorithm")
-        bucket_cap_mb = state.pop("_saved_bucket_cap_mb")
+        module = state["_modules"]["module"]
+        core = pickling.idle_core(state, module, state["serial"], state["broadcast_buffers"])
         super().__setstate__(state)
         self._restored = True
         self.process_group, self.world_size, self.rank = None, 1, 0
@@ -741,20 +717,10 @@ class DataParallel(nn.Module):
         self._broadcast_function = default_broadcast
         self._buffer_sync = None
         self._step_group = None
-        # A Core that is never started: no engine, no hook, no collective.
-        self._core = Core(
-            algorithm,
-            list(self.module.named_parameters()),
-            list(self.module.named_buffers()),
-            None,
-            self.serial,
-            modules=list(self.module.modules()),
-            broadcast_buffers=self.broadcast_buffers,
-            bucket_cap_mb=bucket_cap_mb,
-        )
-        self.optimizers = self._core.optimizers
-        self._join_hook = CoreJoinHook(self._core, self.module, weak(self._shadow_step))
-        self._finalizer = weakref.finalize(self, self._core.release)
+        self._core = core
+        self.optimizers = core.optimizers
+        self._join_hook = CoreJoinHook(core, self.module, weak(self._shadow_step))
+        self._finalizer = weakref.finalize(self, core.release)
 
     @property
     def comm_stats(self) -> dict[str, float]:
@@ -773,79 +739,3 @@ class DataParallel(nn.Module):
 
 
 _SWITCH_FIRST = "; call switch_to({saved}) first, or load with strict=False to keep only the weights"
-
-#: A wrapper's live parts, which pickling leaves out.
-_LIVE = (
-    "_core",
-    "_finalizer",
-    "_join_hook",
-    "process_group",
-    "_step_group",
-    "_buffer_sync",
-    "_reduce_function",
-    "_broadcast_function",
-    "optimizers",
-    "_warned_restored",
-)
-
-_RESTORED = (
-    "this DataParallel was restored from a pickle or a deepcopy, so it has no process group and "
-    "synchronizes nothing; wrap it again to train: unison.DataParallel(model.module, ...)."
-)
-
-
-@contextmanager
-def _raised_everywhere(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
-    """Run construction checks that may fail on some ranks only: if any rank's fails, every
-    rank raises (the failing rank its own error, the others its type and message), so none
-    is left waiting in a later collective. One small collective over ``group`` (None: none)."""
-    problem: Optional[Exception] = None
-    try:
-        yield
-    except (TypeError, ValueError, RuntimeError) as exc:  # NotImplementedError is a RuntimeError
-        problem = exc
-    if group is not None and dist.get_world_size(group) > 1:
-        mine = None if problem is None else (type(problem), str(problem))
-        for rank, theirs in enumerate(all_gather_objects(mine, group)):
-            if theirs is not None and problem is None:
-                kind, message = theirs
-                raise kind(f"on rank {rank}: {message}")
-    if problem is not None:
-        raise problem
-
-
-def _refuse_positional_device_ids(optimizer: Any) -> None:
-    """torch DDP's ``DDP(net, [rank])`` passes device_ids second, where unison takes the optimizer."""
-    if isinstance(optimizer, (list, tuple)) and any(
-        isinstance(o, (int, str, torch.device)) and not isinstance(o, bool) for o in optimizer
-    ):
-        raise TypeError(
-            f"DataParallel's second argument is the optimizer, got {optimizer!r}; pass torch DDP's "
-            "device_ids by keyword: DataParallel(module, device_ids=[...])"
-        )
-
-
-def _moved(tree: Any, device: torch.device) -> Any:
-    """Every tensor in ``tree`` on ``device`` (torch DDP moves inputs to ``device_ids[0]``)."""
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
-
-
-def _without_hooks(module: nn.Module, handles: Sequence[RemovableHandle]) -> nn.Module:
-    """``module``'s tree without the forward hooks of ``handles`` (the algorithm's): each
-    submodule a shallow copy, sharing its parameters and buffers, for pickling to take."""
-    ours = {(id(h.hooks_dict_ref()), h.id) for h in handles}
-    copies: dict[int, nn.Module] = {}
-
-    def clone(m: nn.Module) -> nn.Module:
-        if id(m) not in copies:
-            c = copy.copy(m)
-            copies[id(m)] = c
-            for name in ("_forward_pre_hooks", "_forward_hooks"):
-                hooks = m.__dict__[name]
-                c.__dict__[name] = OrderedDict((k, f) for k, f in hooks.items() if (id(hooks), k) not in ours)
-            c.__dict__["_modules"] = OrderedDict(
-                (k, None if sub is None else clone(sub)) for k, sub in m.__dict__["_modules"].items()
-            )
-        return copies[id(m)]
-
-    return clone(module)

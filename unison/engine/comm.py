@@ -10,7 +10,8 @@ import io
 import pickle
 import threading
 import zlib
-from typing import Any, Callable, Optional, Protocol, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -539,3 +540,23 @@ class CommThread:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+@contextmanager
+def raised_everywhere(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Run construction checks that may fail on some ranks only: if any rank's fails, every
+    rank raises (the failing rank its own error, the others its type and message), so none
+    is left waiting in a later collective. One small collective over ``group`` (None: none)."""
+    problem: Optional[Exception] = None
+    try:
+        yield
+    except (TypeError, ValueError, RuntimeError) as exc:  # NotImplementedError is a RuntimeError
+        problem = exc
+    if group is not None and dist.get_world_size(group) > 1:
+        mine = None if problem is None else (type(problem), str(problem))
+        for rank, theirs in enumerate(all_gather_objects(mine, group)):
+            if theirs is not None and problem is None:
+                kind, message = theirs
+                raise kind(f"on rank {rank}: {message}")
+    if problem is not None:
+        raise problem

@@ -10,13 +10,10 @@ does it at the optimizer step for gradients the engine did not average.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .reducer import GradReducer
 
 MODES = (None, "raise", "skip")
 
@@ -45,17 +42,6 @@ def drop_gradients(params: Iterable[torch.Tensor]) -> None:
     """Skip the coming step: torch's optimizers leave parameters without a gradient untouched."""
     for p in params:
         p.grad = None
-
-
-def screened(reducer: Optional[GradReducer], world_size: int) -> bool:
-    """Whether the engine's last backward already agreed on non-finite gradients among all
-    ``world_size`` replicas (then the optimizer step needs no agreement of its own)."""
-    return (
-        reducer is not None
-        and reducer.nonfinite_checked
-        and reducer.group is not None
-        and dist.get_world_size(reducer.group) == world_size
-    )
 
 
 def first_nonfinite(params: Iterable[torch.Tensor]) -> Optional[int]:

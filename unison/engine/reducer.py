@@ -700,6 +700,11 @@ class GradReducer:
                 else:
                     p.grad.copy_(view)
 
+    def screened(self, world_size: int) -> bool:
+        """Whether the last backward already agreed on non-finite gradients among all
+        ``world_size`` replicas (then the optimizer step needs no agreement of its own)."""
+        return self.nonfinite_checked and self.group is not None and dist.get_world_size(self.group) == world_size
+
     def _on_nonfinite(self, rank: int, name: str) -> None:
         """Every rank learns of the same bad gradient at once: raise, or skip the step."""
         if self.nonfinite == "raise":
