@@ -71,6 +71,12 @@ class Hooks:
     def on_forward(self, module: nn.Module, fn: Callable[[], None]) -> None:
         self._handles.append(module.register_forward_pre_hook(lambda _m, _inputs: fn()))
 
+    def on_forward_end(self, module: nn.Module, fn: Callable[[], None]) -> None:
+        def ended(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            fn()  # returns None: the output is left as it is
+
+        self._handles.append(module.register_forward_hook(ended, always_call=True))
+
     def on_optimizer_step(self, before: Optional[StepFn], after: Optional[StepFn]) -> None:
         if before is not None:
             self._before.append(before)

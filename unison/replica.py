@@ -228,6 +228,10 @@ class Replica:
         """Call ``fn()`` before every forward of ``module``."""
         self._wiring.hooks.on_forward(module, fn)
 
+    def on_forward_end(self, module: nn.Module, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every forward of ``module``, also one that raised."""
+        self._wiring.hooks.on_forward_end(module, fn)
+
     def on_optimizer_step(self, before: Optional[StepFn] = None, after: Optional[StepFn] = None) -> None:
         """Call ``before(optimizer)`` / ``after(optimizer)`` around every registered optimizer's
         step (from the wrapper's own step hooks: ``after`` runs after the algorithm's after_step)."""

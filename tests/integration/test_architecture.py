@@ -100,8 +100,13 @@ def test_the_upward_import_is_data():
 
 
 # Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions,
-# c10d's _world: the count that names unnamed groups, put back after a failed regroup, ...).
+# c10d's _world: the count that names unnamed groups, put back after a failed regroup, autograd's
+# sequence numbers, which order a forward's ops for nonblocking's check, ...).
 TORCH_PRIVATE = {
+    "_C",
+    "_autograd",
+    "_get_sequence_nr",
+    "_sequence_nr",
     "_metadata",
     "_version",
     "_execution_engine",

@@ -4,7 +4,12 @@ Gradients are averaged as with "allreduce", but neither the end of backward nor
 ``optimizer.step()`` waits: each layer's update (and ``zero_grad``) is applied
 just before that layer's next forward, once its bucket has arrived, with the
 hyperparameters of the ``step()`` call, so the trajectory equals "allreduce".
-Under ``fault_tolerant=True`` the reduction completes at the end of backward (a
+A parameter read outside its own module's forward (``nn.MultiheadAttention``'s
+``out_proj``, a weight tied across modules, a functional use of a submodule's
+weight) is updated where it is first read: the first training forward records,
+for each parameter, the last layer whose forward had started when the parameter
+was first used (or the wrapper's forward), and its update lands there from then
+on. Under ``fault_tolerant=True`` the reduction completes at the end of backward (a
 failure must be known before the step is committed); the updates still land at
 the next forward. See docs/algorithms.md#nonblocking for what a user must not do meanwhile.
 """
@@ -17,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils._pytree
 from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
 
 from ...replica import Replica
 from ..contract import Recovery
@@ -32,15 +38,48 @@ class _Pending:
         self.zero: Optional[bool] = None  # set_to_none of a deferred zero_grad
 
 
-class NonBlockingState(AllReduceState):
-    """The deferred steps, and each optimizer's real step and zero_grad."""
+class _FirstUses(TorchFunctionMode):
+    """While active: for each of ``params``, the layer ``where()`` names when an op first reads it."""
 
-    __slots__ = ("pending", "originals")
+    def __init__(self, params: list[torch.nn.Parameter], where: Callable[[], int]) -> None:
+        super().__init__()
+        self.unseen = {id(p) for p in params}
+        self.where = where
+        self.first: dict[int, int] = {}  # id(parameter) -> layer index (START: the wrapper's forward)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.unseen:
+            for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor) and id(t) in self.unseen:
+                    self.unseen.discard(id(t))
+                    self.first[id(t)] = self.where()
+        return func(*args, **kwargs)
+
+
+#: The layer index that stands for the wrapper's forward, before any layer's.
+START = -1
+
+
+class NonBlockingState(AllReduceState):
+    """The deferred steps, each optimizer's real step and zero_grad, and where each layer's
+    parameters are updated (learned in the first training forward)."""
+
+    __slots__ = ("pending", "originals", "layers", "at_start", "learned", "last", "learner", "applied")
 
     def __init__(self, base: AllReduceState) -> None:
         super().__init__(base.tuner, base.levels)
         self.pending: dict[int, _Pending] = {}
         self.originals: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        # The parameters updated at each layer's forward: its own, then those the first training
+        # forward read there first; at_start: those it read before any layer's forward.
+        self.layers: list[list[torch.nn.Parameter]] = []
+        self.at_start: list[torch.nn.Parameter] = []
+        self.learned = False
+        self.last = START  # the layer whose forward started last (while learning)
+        self.learner: Optional[_FirstUses] = None
+        # This forward: id(parameter) -> autograd's next sequence number when its update landed.
+        self.applied: dict[int, int] = {}
 
 
 class NonBlocking(BucketAllReduce[NonBlockingState]):
@@ -72,8 +111,34 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
         for m in replica.modules:
             params = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if params:
-                replica.on_forward(m, partial(self._layer_hook, replica, state, params))
+                state.layers.append(params)
+                replica.on_forward(m, partial(self._layer_hook, replica, state, len(state.layers) - 1))
+        if replica.modules:  # the first training forward is watched from its start to its end
+            replica.on_forward(replica.modules[0], partial(self._start_learning, replica, state))
+            replica.on_forward_end(replica.modules[0], partial(self._end_learning, state))
         return state
+
+    # ---- where each parameter is first read ---------------------------
+    def _start_learning(self, replica: Replica, state: NonBlockingState) -> None:
+        if state.learned or state.learner is not None or not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():
+            return  # traced: the layers' own parameters only (a stray one is refused after forward)
+        state.learner = _FirstUses([p for _, p in replica.trainable], lambda: state.last)
+        state.learner.__enter__()
+
+    def _end_learning(self, state: NonBlockingState) -> None:
+        learner, state.learner = state.learner, None
+        if learner is None:
+            return
+        learner.__exit__(None, None, None)
+        state.learned = True
+        params = {id(p): p for layer in state.layers for p in layer}
+        for pid, where in learner.first.items():
+            if where == START:
+                state.at_start.append(params[pid])
+            elif not any(p is params[pid] for p in state.layers[where]):
+                state.layers[where].append(params[pid])
 
     # ---- what the user's calls now do ---------------------------------
     def _deferred_step(
@@ -95,36 +160,47 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
 
     # ---- applying updates -------------------------------------------------
     def before_forward(self, replica: Replica, state: NonBlockingState) -> None:
-        if not torch.is_grad_enabled():
-            self.flush(replica, state)  # no graph to check afterwards: update everything first
-            return
+        if not torch.is_grad_enabled() or not state.learned:
+            self.flush(replica, state)  # no graph to check afterwards, or nothing learned: update everything
+            state.last = START
+            if not torch.is_grad_enabled():
+                return
         replica.complete(buckets=[])  # flags and buffers: needed by every layer
         super().before_forward(replica, state)
+        state.applied = {}
+        if state.at_start and (state.pending or replica.in_flight):
+            self._apply(replica, state, state.at_start)
 
     def after_forward(self, replica: Replica, state: NonBlockingState, output: Any) -> None:
-        """Finish updates whose layers did not run; refuse if such a parameter was used anyway."""
+        """Finish updates whose layers did not run; refuse if a parameter was read before its update."""
         leftovers = {
-            id(p): p
+            id(p)
             for opt in replica.optimizers
             if id(opt) in state.pending
             for g in opt.param_groups
             for p in g["params"]
             if id(p) not in state.pending[id(opt)].done and p.requires_grad
         }
-        if not leftovers:
+        applied, state.applied = state.applied, {}
+        if not leftovers and not applied:
             return
-        stale = [p for p in _graph_leaves(output) if id(p) in leftovers]
+        reads = _first_reads(output)
+        stale = [pid for pid in leftovers if pid in reads]
+        stale += [pid for pid, at in applied.items() if reads.get(pid, at) < at]
         if stale:
             names = {id(p): n for n, p in replica.named_parameters}
             raise RuntimeError(
-                f"nonblocking: parameter {names.get(id(stale[0]), '?')!r} was used in forward outside its own "
-                "module's forward, before its deferred update was applied; use algorithm 'allreduce' for this model"
+                f"nonblocking: parameter {names.get(stale[0], '?')!r} was read in this forward before its "
+                "deferred update was applied: nonblocking updates each parameter at the forward of the layer "
+                "where the first training forward read it, and this forward read it earlier or elsewhere (its "
+                "control flow changed). Call model.flush() before such a forward, or use algorithm 'allreduce'"
             )
         self.flush(replica, state)
 
-    def _layer_hook(self, replica: Replica, state: NonBlockingState, params: list[torch.nn.Parameter]) -> None:
+    def _layer_hook(self, replica: Replica, state: NonBlockingState, layer: int) -> None:
+        state.last = layer
         if state.pending or replica.in_flight:
-            self._apply(replica, state, params)
+            self._apply(replica, state, state.layers[layer])
 
     def _apply(self, replica: Replica, state: NonBlockingState, params: list[torch.nn.Parameter]) -> None:
         buckets = {b for b in (replica.bucket_of(p) for p in params) if b is not None}
@@ -137,6 +213,9 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
             todo = [p for p in params if id(p) in mine and id(p) not in pending.done]
             if todo:
                 self._step_only(state, opt, pending, todo)
+                if torch.is_grad_enabled():  # in a forward: later reads see the update, earlier ones did not
+                    at = torch._C._autograd._get_sequence_nr()
+                    state.applied.update((id(p), at) for p in todo)
             if len(pending.done) == len(mine):
                 del state.pending[id(opt)]
 
@@ -185,19 +264,25 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
             del state.pending[id(opt)]
 
 
-def _graph_leaves(output: Any) -> list[torch.Tensor]:
-    """The parameters (autograd leaves) that ``output`` was computed from."""
+def _first_reads(output: Any) -> dict[int, int]:
+    """For each parameter (autograd leaf) ``output`` was computed from: id -> the sequence
+    number of the first op that read it (autograd numbers the ops of a thread in order)."""
     tensors = torch.utils._pytree.tree_flatten(output)[0]
-    roots = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
-    leaves: list[torch.Tensor] = []
-    stack: list[Any] = list(roots)
+    first: dict[int, int] = {}
     while stack:
         fn = stack.pop()
-        if fn is None or fn in seen:
+        if fn in seen:
             continue
         seen.add(fn)
-        if hasattr(fn, "variable"):
-            leaves.append(fn.variable)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return leaves
+        at = fn._sequence_nr()
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            leaf = getattr(nxt, "variable", None)
+            if leaf is not None:
+                first[id(leaf)] = min(first.get(id(leaf), at), at)
+            elif nxt not in seen:
+                stack.append(nxt)
+    return first
