@@ -458,7 +458,7 @@ class FaultTolerance:
         self._align_data(contributors[0] if contributors else source)
         if not self._member.veteran:  # from now on, a membership of fresh joiners only has lost the job's state
             self._member.store.set(STATE_KEY, "1")
-            self._member.veteran = True
+            self._member.hold()
         if plan.idle:
             self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {plan.idle}, which were between steps")
 

@@ -320,15 +320,17 @@ def test_a_failure_during_average_is_recovered_and_the_average_done_again(tmp_pa
 
 
 def test_no_replacement_is_started_once_the_job_is_ending(tmp_path):
-    """Worker 1 dies two steps before the end: its replacement finds the job over and exits;
-    no replacement of the replacement is started, and the job ends well. Started as ``python
-    script`` (seconds to start): a replacement forked at once may be admitted just before a
-    member finishes, and the others then wait for it (docs/fault-tolerance.md#limits)."""
+    """Worker 1 dies two steps before the end: its replacement, forked at once, heals in or finds
+    the job over; no replacement of the replacement is started, and the job ends well. Admitted
+    just as a member finishes, the membership with it can never be built: the member's "done"
+    ends it and the others regroup without it (benchmarks/stress_fault_end.py repeats this)."""
     started = time.time()
-    code, err, found = launch(tmp_path, "--kill", "1@38", launcher=("--respawn",), preload=())
+    code, err, found = launch(tmp_path, "--kill", "1@38", launcher=("--respawn",))
     assert code == 0, err[-3000:]
-    assert sorted(found) == [0, 2]
+    assert {0, 2} <= set(found) <= {0, 2, 3}, err[-3000:]  # the replacement (3) finishes if it healed in
+    assert all(r["w"] == [-1.0] * 40 for r in found.values()), err[-3000:]
     assert err.count("respawn: worker") <= 1, err[-3000:]
+    assert "terminate called" not in err
     assert time.time() - started < 30
 
 

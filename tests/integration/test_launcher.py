@@ -193,6 +193,25 @@ def test_a_worker_that_finishes_with_a_nonzero_status_fails_the_job(launcher, tm
     assert "worker 0 (pid" not in job.stderr  # it finished with 0
 
 
+def test_a_worker_killed_by_a_signal_after_it_finished_fails_the_job(launcher, tmp_path):
+    """Its steps are committed, but an abort at the interpreter's end is a crash the user must
+    see (it was a warning, which also hid the abort of a watcher thread torn down in the store)."""
+    script = tmp_path / "abort_at_exit.py"
+    script.write_text(
+        "import atexit, os, signal, sys\n"
+        "if os.environ['UNISON_FT_ID'] == '1':  # runs after unison's own handler, which said done\n"
+        "    atexit.register(os.kill, os.getpid(), signal.SIGABRT)\n"
+        "import unison\nunison.init()\n"
+        "open(os.path.join(sys.argv[1], f'pid-{os.getpid()}'), 'w').close()\n"
+    )
+    job = launcher("--no-status", nproc=2, script=script)
+    assert job.wait(LIMIT_S) == 1, job.tail()
+    assert re.search(r"failure: worker 1 \(pid \d+\) finished, then died by SIGABRT as it exited", job.stderr), (
+        job.tail()
+    )
+    assert "worker 0 (pid" not in job.stderr  # it finished with 0
+
+
 def test_a_worker_of_the_first_membership_failing_at_start_up_stops_the_job_at_once(launcher, tmp_path):
     """Without --respawn the first membership would wait for it (until the others give up after a
     minute): the launcher stops the healthy worker, which joined meanwhile, and shows the error."""

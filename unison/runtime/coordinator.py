@@ -15,13 +15,16 @@ and every wait on them blocks in the store instead of polling:
 - ``ft/hb/<id>``: a counter the worker bumps every ``member.HEARTBEAT_S``; the coordinator reads
   every member's in one ``multi_get`` every ``BEAT_LOOK_S``;
 - ``ft/members/<e>``: membership ``e`` as JSON (members, their nodes, joiners, reason), then
-  ``ft/epoch``; workers wait on the next one's key;
+  ``ft/epoch``; then each joined worker's bell is rung (``member.ring``: ``ft/bell/<id>/<k>``),
+  which its watcher waits on (the worker rings it itself at its end, so no thread of its is
+  left inside the store when its interpreter ends);
+- ``ft/holder/<id>``: the worker settled into a membership and holds the job's state;
 - ``ft/rebuild/<e>``: a member failed without a membership change (its group could not be built,
   or a collective failed before a death was noticed): the same members are published again;
 - ``ft/node/<n>/failed``: node n was taken out (its agent stops its processes);
 - ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
   (too few members, start-up failures, a stop signal) or by a worker (the job's state is lost),
-  then nobody is respawned;
+  then nobody is respawned and every joined worker's bell is rung;
 - ``ft/step``: the committed step, when a worker writes it; only the status page reads it.
 
 Keys no longer needed are deleted: inbox messages once read, the heartbeats of ended workers,
@@ -57,6 +60,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from .member import ring
 from .status_page import StatusPage
 from .template import Forked, Template
 
@@ -225,6 +229,9 @@ class Coordinator:
         self.ending = False  # the job is over: no more replacements
         self.short_since: Optional[float] = None
         self.aborted: Optional[str] = None
+        # A member finished without joining the membership the others gather in (it can never be
+        # built): why, until the next step publishes one without it.
+        self.unbuildable: Optional[str] = None
         self.log: list[tuple[float, str, str]] = []
         self.events: list[dict[str, Any]] = []  # self.log's entries with their fields (the status page's)
         self.start_failures = 0  # workers in a row that exited by themselves before joining
@@ -357,9 +364,13 @@ class Coordinator:
             self.start_failures = 0  # the script gets as far as unison.init()
         elif kind == "done":
             if w.state not in ENDED:
+                gathering = w.state == "member" and wid in self.members and self.epoch > 0
                 w.state, w.ended_at = "finished", now
                 w.exit_code = w.process.poll() if w.process is not None else None
                 self._forget(w)
+                if gathering and not self.store.check([f"ft/pg/{self.epoch}/ready/{wid}"]):
+                    # It never said it was ready for the newest membership: nobody can build that one.
+                    self.unbuildable = f"worker {wid} finished before membership {self.epoch} was built"
         elif kind == "leave":
             if w.state in ENDED:
                 return
@@ -447,9 +458,43 @@ class Coordinator:
             pass
 
     def _forget(self, *workers: Worker) -> None:
-        """Delete the keys of workers that ended (a stopped one that resumes writes its heartbeat again)."""
+        """Delete the keys of workers that ended (a stopped one that resumes writes its heartbeat
+        again). The bell's keys go only with a worker that died: one that ended by itself deletes
+        them once its watcher has left (deleted here, the key it is about to wait on could go
+        first), and an evicted one may resume and must still hear of the membership without it."""
         for w in workers:
             self.store.delete_key(f"ft/hb/{w.id}")
+            self.store.delete_key(f"ft/holder/{w.id}")
+            if w.state == "dead":
+                rung = int(self.store.add(f"ft/bell/{w.id}", 0))
+                for k in range(max(1, rung - 1), rung + 1):  # the watcher deleted those it woke on
+                    self.store.delete_key(f"ft/bell/{w.id}/{k}")
+                self.store.delete_key(f"ft/bell/{w.id}")
+
+    def _ring_all(self) -> None:
+        """Wake the watcher of every worker that may be running (an evicted one too: it may
+        resume, and must learn that it was left out; a starting one finds its bell rung): a
+        membership was published, or the job aborted."""
+        for w in self.workers.values():
+            if w.state in ("starting", "waiting", "member", "evicted"):
+                ring(self.store, w.id)
+
+    def _ring_late_joiners(self) -> None:
+        """After an abort no message is handled any more, but a worker started elsewhere that
+        joins now must hear of it too: ring each one whose join comes."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message["kind"] == "join":
+                ring(self.store, int(message["worker"]))
+
+    def _abort(self, why: str) -> None:
+        """End the job: ``ft/abort`` says why, and every joined worker is woken to read it."""
+        self.aborted = why
+        self.store.set("ft/abort", why)
+        self._ring_all()
 
     def _may_respawn(self) -> bool:
         s = self.settings
@@ -491,9 +536,8 @@ class Coordinator:
             why = "a worker exited before the first membership, which waits for it, and none replaces it"
         else:
             return False
-        self.aborted = f"{why}; worker {w.id} (pid {w.pid}) exited with {code}"
         self.given_up = True
-        self.store.set("ft/abort", self.aborted)
+        self._abort(f"{why}; worker {w.id} (pid {w.pid}) exited with {code}")
         tail = w.stderr.lines() if w.stderr is not None else []
         shown = "".join(f"\n  | {line}" for line in tail) or "\n  | (nothing)"
         self.note("abort", f"{self.aborted}. Its last lines of stderr:{shown}", worker=w.id, exit_code=code)
@@ -509,6 +553,7 @@ class Coordinator:
         self.store.set("ft/epoch", str(self.epoch))
         for wid in joiners:
             self.workers[wid].state = "member"
+        self._ring_all()
         self.note(
             "regroup",
             f"epoch {self.epoch}: members {members} ({reason})",
@@ -557,9 +602,24 @@ class Coordinator:
         finished = any(w.state == "finished" for w in self.workers.values())
         if finished and waiting:
             self.store.set("ft/over", "1")  # the job is ending: a late joiner has nothing to join
-        if (reasons or waiting) and (alive or waiting) and not finished:
+        if self.unbuildable is not None:
+            why, self.unbuildable = self.unbuildable, None
+            self._publish_without_finished(alive, why)
+        elif (reasons or waiting) and (alive or waiting) and not finished:
             self._publish(alive + waiting, waiting, "; ".join(reasons))
         self._check_quorum(now, alive + waiting if not finished else alive)
+
+    def _publish_without_finished(self, alive: list[int], why: str) -> None:
+        """A member finished while the others gathered in a membership that counted it: they (and
+        a joiner admitted with it) would wait for it in vain. Publish the members still running,
+        who regroup without it, if one of them holds the job's state; else the job is over for
+        the joiners (an empty membership, and ``ft/over``: they find the job finished)."""
+        holders = [wid for wid in alive if self.store.check([f"ft/holder/{wid}"])]
+        if holders:
+            self._publish(alive, [wid for wid in alive if wid not in holders], f"{why}: the others go on without it")
+            return
+        self.store.set("ft/over", "1")
+        self._publish([], [], f"{why}; nobody left holds the job's state: the job is over")
 
     def _check_quorum(self, now: float, current: list[int]) -> None:
         running = [w for w in self.workers.values() if w.state in ("starting", "waiting", "member")]
@@ -568,12 +628,11 @@ class Coordinator:
             return
         self.short_since = self.short_since or now
         if now - self.short_since > self.settings.join_timeout:
-            self.aborted = (
+            self._abort(
                 f"only {len(current)} member(s) for {self.settings.join_timeout:.0f} s, fewer than "
                 f"--min-replicas {self.settings.min_replicas}"
             )
-            self.store.set("ft/abort", self.aborted)
-            self.note("abort", self.aborted)
+            self.note("abort", self.aborted or "")
 
     # ---- stopping ------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -656,9 +715,12 @@ class Coordinator:
                 now = time.time()
                 if self.aborted is None and self._abort_seen is not None:  # a worker found the job cannot go on
                     self.aborted = self._abort_seen
+                    self._ring_all()
                     self.note("abort", self.aborted)
                 if self.aborted is None:
                     self._step(now)
+                else:
+                    self._ring_late_joiners()
                 if self.given_up:
                     return
                 live = [
@@ -680,11 +742,10 @@ class Coordinator:
         name = signal.Signals(self.stop_signal).name
         with self.lock:
             self.ending = True
-            self.aborted = self.aborted or f"the coordinator received {name}"
             try:
-                self.store.set("ft/abort", self.aborted)
+                self._abort(self.aborted or f"the coordinator received {name}")
             except Exception:  # the store is ours; a failure here must not keep the workers alive
-                pass
+                self.aborted = self.aborted or f"the coordinator received {name}"
             running = sum(w.process is not None and w.process.poll() is None for w in self.workers.values())
             self.note(
                 "stop", f"{name} received: stopping {running} worker(s) (SIGTERM, SIGKILL after {STOP_GRACE_S:.0f} s)"
@@ -710,8 +771,8 @@ class Coordinator:
         if broken:
             self.note("failure", f"member(s) {broken} of the last membership did not finish")
         # A worker's "done" comes from its atexit handler, which also runs for sys.exit(3): the exit
-        # status it then ends with is the script's word on how it went, as under torchrun. A signal
-        # after "done" (its steps are committed) is shown, not counted: see docs/fault-tolerance.md#limits.
+        # status it then ends with is the script's word on how it went, as under torchrun; a signal
+        # after "done" (an abort in the interpreter's end, a kill) is a failure too.
         failed_after = []
         for w in self.workers.values():
             code = w.process.poll() if w.process is not None and w.state == "finished" else None
@@ -720,7 +781,10 @@ class Coordinator:
                 note = f"worker {w.id} (pid {w.pid or '?'}) finished, then exited with {code}"
                 self.note("failure", note, worker=w.id, exit_code=code)
             elif code is not None and code < 0:
-                logger.warning("worker %d (pid %s) finished, then died by signal %d as it exited", w.id, w.pid, -code)
+                failed_after.append(w.id)
+                name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+                note = f"worker {w.id} (pid {w.pid or '?'}) finished, then died by {name} as it exited"
+                self.note("failure", note, worker=w.id, exit_code=code)
         if self.aborted is not None or finished == 0 or broken or failed_after:
             return 1
         return 0

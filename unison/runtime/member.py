@@ -4,9 +4,11 @@ A worker started by ``unison launch --fault-tolerant`` (or by a node's agent, or
 ``unison coordinator``) finds the coordinator's store in ``UNISON_FT_ADDR`` and
 ``UNISON_FT_PORT``, and its node in ``UNISON_FT_NODE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
 (a node is a replica group of processes: the unit of failure). Daemon threads bump its
-heartbeat and wait, blocked in the store (no polling), for the next membership and for the
-job's abort. Every wait on a collective goes through ``Member.wait``, which polls the work
-together with the newest epoch this process has seen: when membership changes, the wait raises
+heartbeat and wait, blocked in the store (no polling), on this worker's bell (``ring``): the
+coordinator rings it after each membership it publishes and when the job is aborted, and the
+worker rings it itself at its end, so the thread leaves the store before the interpreter ends.
+Every wait on a collective goes through ``Member.wait``, which polls the work together with the
+newest epoch this process has seen: when membership changes, the wait raises
 ``MembershipChanged`` instead of blocking on a dead or stopped peer. ``regroup`` then builds
 torch.distributed's default group again over the new members; the abandoned groups are aborted
 (where the backend can), unregistered, and let go by a reaper thread once their work has ended
@@ -40,6 +42,9 @@ HEARTBEAT_S = 0.2
 STALE_LOOK_S = 3 * HEARTBEAT_S
 #: How long a watcher's blocking wait lasts before it is made again (it ends at once on news).
 WATCH_WAIT = datetime.timedelta(days=1)
+#: Seconds a worker's end waits for its daemon threads to leave the store (they do at once when
+#: the coordinator's store answers; a gone store fails their waits as soon).
+JOIN_S = 5.0
 #: A wait looks at the epoch at least this often (seconds).
 WAIT_SLICE = datetime.timedelta(milliseconds=20)
 #: Seconds a regroup waits for the coordinator to publish a membership that includes this worker.
@@ -100,6 +105,8 @@ class _Reaper:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self.held = 0  # taken and not let go yet (tests read it)
+        self._parking = False  # the worker is ending: let go of nothing more (see park)
+        self._parked = threading.Event()
 
     def take(self, obj: Any) -> None:
         with self._lock:
@@ -111,6 +118,18 @@ class _Reaper:
                 self._thread.start()
         self._queue.put(obj)
 
+    def park(self, timeout: float) -> None:
+        """Let go of nothing more, and return once the thread is out of any destructor (or after
+        ``timeout`` seconds). What it holds then stays held until the process ends: a
+        destructor that ran on during the interpreter's end would be torn down inside C++ as
+        it took the GIL back, and abort the process."""
+        with self._lock:
+            self._parking = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(_WAKE)
+            self._parked.wait(timeout)
+
     def _run(self, inbox: queue.SimpleQueue) -> None:
         held: list[Any] = []
         pause = 0.05
@@ -121,6 +140,9 @@ class _Reaper:
             self._receive(inbox, held, timeout=pause if held else None)
             received, i = len(held) > before, 0
             while i < len(held):
+                if self._parking:
+                    self._parked.set()
+                    threading.Event().wait()  # parked for good, holding ``held``: see park
                 if _releasable(held, i):
                     del held[i]  # a group's destructor runs here, joining its threads
                     with self._lock:
@@ -129,6 +151,9 @@ class _Reaper:
                 else:
                     i += 1
             pause = 0.05 if received else min(1.0, 2 * pause)
+            if self._parking:
+                self._parked.set()
+                threading.Event().wait()
 
     def _receive(self, inbox: queue.SimpleQueue, held: list[Any], timeout: Optional[float]) -> None:
         """Move what was handed over into ``held`` (the locals holding it end with this call)."""
@@ -140,11 +165,17 @@ class _Reaper:
         except queue.Empty:
             pass
         for obj in taken:
+            if obj is _WAKE:
+                continue
             if any(obj is h for h in held):  # handed over twice: held once
                 with self._lock:
                     self.held -= 1
             else:
                 held.append(obj)
+
+
+#: What ``_Reaper.park`` puts in the reaper's inbox to wake it.
+_WAKE = object()
 
 
 def _releasable(held: list[Any], i: int) -> bool:
@@ -197,6 +228,14 @@ def build_world(
         raise
 
 
+def ring(store: dist.Store, worker: int) -> None:
+    """Wake worker ``worker``'s watcher (``ft/bell/<id>/<k>``, k from the counter ``ft/bell/<id>``):
+    it reads the newest membership and ``ft/abort`` again. Rung after the news is written, so a
+    watcher that read before it still wakes."""
+    k = int(store.add(f"ft/bell/{worker}", 1))
+    store.set(f"ft/bell/{worker}/{k}", "")
+
+
 def post(store: dist.Store, kind: str, worker: int, **fields: Any) -> None:
     """Leave a message for the coordinator in its inbox (``ft/inbox/<k>``, k from a counter): it
     waits on the next one, blocked in the store, instead of looking at per-worker keys."""
@@ -231,7 +270,6 @@ class Member:
         self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         # One client per blocking wait, and one for the heartbeat: a client runs one request at a time.
         self._watch_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-        self._abort_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         self._beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         self.id = int(self.store.add("ft/next_id", 1)) - 1 if worker_id is None else worker_id
         self.node = int(self.store.add("ft/next_node", 1)) - 1 if node is None else node
@@ -250,6 +288,7 @@ class Member:
         self._published_step: Optional[int] = None  # what this worker last wrote under ft/step
         self._beat_at = time.monotonic()  # when the heartbeat thread last ran
         self._stop = threading.Event()
+        self._bell = 1  # the next ring the watcher waits for (``ring``)
         self.store.set(f"ft/hb/{self.id}", "0")  # before the join: the coordinator reads it from then on
         post(
             self.store,
@@ -263,7 +302,7 @@ class Member:
         )
         self._threads = [
             threading.Thread(target=target, name=f"unison-ft-{name}", daemon=True)
-            for name, target in (("beat", self._beat), ("watch", self._watch), ("abort", self._watch_abort))
+            for name, target in (("beat", self._beat), ("watch", self._watch))
         ]
         for thread in self._threads:
             thread.start()
@@ -292,8 +331,9 @@ class Member:
             self._stop.wait(HEARTBEAT_S)
 
     def _watch(self) -> None:
-        """Wait, blocked in the store, for the next membership's document (``ft/members/<e+1>``;
-        the coordinator numbers them one by one), and take its epoch as the newest."""
+        """Read the newest membership (the coordinator numbers them one by one: ``ft/members/<e>``)
+        and ``ft/abort``, then wait, blocked in the store, for this worker's bell (``ring``), until
+        the worker ends. Every wait here is one the worker can end itself: ``close`` rings."""
         store = self._watch_store
         while not self._stop.is_set():
             try:
@@ -301,23 +341,17 @@ class Member:
                 while store.check([f"ft/members/{latest + 1}"]):
                     latest += 1
                 self.latest = max(self.latest, latest)
-                store.wait([f"ft/members/{self.latest + 1}"], WATCH_WAIT)
+                if store.check(["ft/abort"]):
+                    if not self._stop.is_set() and self.lost is None:
+                        self.lost = f"the coordinator ended the job: {store.get('ft/abort').decode()}"
+                    return
+                if self._stop.is_set():
+                    return
+                store.wait([f"ft/bell/{self.id}/{self._bell}"], WATCH_WAIT)
+                store.delete_key(f"ft/bell/{self.id}/{self._bell}")
+                self._bell += 1
             except dist.DistStoreError:
                 continue  # the day-long wait ran out: wait again
-            except Exception as exc:
-                self._gone(exc)
-                return
-
-    def _watch_abort(self) -> None:
-        """Wait, blocked in the store, for ``ft/abort`` (the coordinator or a worker ends the job)."""
-        while not self._stop.is_set():
-            try:
-                self._abort_store.wait(["ft/abort"], WATCH_WAIT)
-                if not self._stop.is_set():
-                    self.lost = f"the coordinator ended the job: {self._abort_store.get('ft/abort').decode()}"
-                return
-            except dist.DistStoreError:
-                continue
             except Exception as exc:
                 self._gone(exc)
                 return
@@ -436,6 +470,8 @@ class Member:
                 if self.id in doc["members"]:
                     self._admitted = True
                     return latest, doc
+                if self.epoch == 0 and self.store.check(["ft/over"]):  # admitted as the last members finished
+                    raise RankFailure(f"worker {self.id}: the job finished before this worker could join it", [])
                 if self._admitted:  # a member, or a joiner left out before it had built its first group
                     raise RankFailure(
                         f"worker {self.id} was evicted from the job (membership {latest}: {doc['reason']}); "
@@ -528,6 +564,13 @@ class Member:
                 continue
             return doc
 
+    def hold(self) -> None:
+        """Note that this process settled into a membership: it holds the job's state from now on
+        (``ft/holder/<id>``: the coordinator asks it before a membership of the last members)."""
+        if not self.veteran:
+            self.store.set(f"ft/holder/{self.id}", "1")
+            self.veteran = True
+
     def _rebuild(self, epoch: int) -> None:
         """Ask the coordinator for a membership after ``epoch`` even if nobody died (it looks for
         ``ft/rebuild/<epoch>`` with the heartbeats)."""
@@ -562,15 +605,35 @@ class Member:
         self.close(finished=not hasattr(sys, "last_value"))
 
     def close(self, finished: bool = True) -> None:
-        """Stop the watcher; ``finished``: tell the coordinator this worker ended normally."""
+        """Stop the daemon threads; ``finished``: tell the coordinator this worker ended normally.
+
+        The watcher is woken (this worker rings its own bell) and both threads are joined, and
+        the reaper is parked, so that no thread of this Member is inside torch's C++ code when
+        the interpreter ends: one that came back from there (the watcher woken by the
+        coordinator's news, the reaper out of a Work's destructor) would be torn down as it
+        took the GIL back, and abort the process ("terminate called without an active exception")."""
         if self._stop.is_set():
             return
         self._stop.set()
+        try:
+            ring(self.store, self.id)  # before "done": the coordinator then forgets this worker's keys
+        except Exception:  # the store is gone: the watcher's wait has failed too
+            pass
         if finished and self.lost is None:
             try:
                 post(self.store, "done", self.id)
             except Exception:  # the coordinator is gone: nothing to tell
                 pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(JOIN_S)
+        self.reaper.park(JOIN_S)
+        try:  # the bell's keys: those rung and not waited for, then its counter
+            for k in range(self._bell, int(self.store.add(f"ft/bell/{self.id}", 0)) + 1):
+                self.store.delete_key(f"ft/bell/{self.id}/{k}")
+            self.store.delete_key(f"ft/bell/{self.id}")
+        except Exception:  # the store is gone
+            pass
 
 
 _member: Optional[Member] = None
