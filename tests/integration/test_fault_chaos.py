@@ -506,10 +506,14 @@ def test_a_collective_that_ends_as_its_wait_slice_runs_out_is_no_failure():
 
 # ---- Member.regroup: a membership replaced while its members gather -----------------------------
 def _publish(store, epoch: int, members: list[int]) -> None:
-    """What the coordinator does for a membership: its document, then the epoch."""
+    """What the coordinator does for a membership: its document, the epoch, then each member's bell."""
+    from unison.runtime.member import ring
+
     doc = {"members": members, "joiners": [], "reason": "the test"}
     store.set(f"ft/members/{epoch}", json.dumps(doc))
     store.set("ft/epoch", str(epoch))
+    for wid in members:
+        ring(store, wid)
 
 
 def _gather_while_replaced(port: int, trials: int) -> list[int]:
