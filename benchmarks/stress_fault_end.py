@@ -15,8 +15,9 @@ A run passes when the launcher exits 0 within ``--timeout`` seconds, the survivo
 are exact (tests/scripts/ft_ledger.py: every step applied once), and no process printed
 "terminate called" (a thread torn down inside torch's C++ code at the interpreter's end).
 ``raced`` counts the runs where the coordinator saw the race (a member finished before the
-membership the others gathered in was built). With ``PYTHONPATH`` pointing at another
-checkout, the same runs measure that tree (the launcher and workers import it).
+membership the others gathered in was built). Run from another checkout's folder with
+``PYTHONPATH`` set to it, the same runs measure that tree (the launcher, its template and the
+workers import it; the report names the unison it imported and its commit).
 The launcher is stopped with SIGTERM past its time (it stops its workers), then SIGKILL.
 
     python benchmarks/stress_fault_end.py --runs 20 --json benchmarks/results/stress_fault_end.json
@@ -132,10 +133,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  | {line}", flush=True)
         raced = sum(r["raced"] for r in runs if r["case"] == case)
         counts[case] = {"runs": args.runs, "passed": passed, "raced": raced}
+    unison_file = subprocess.run(
+        [sys.executable, "-c", "import unison; print(unison.__file__)"], capture_output=True, text=True
+    ).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(Path(unison_file).parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     report = {
         "command": " ".join(
             ["python", "benchmarks/stress_fault_end.py", *(argv if argv is not None else sys.argv[1:])]
         ),
+        "unison": unison_file,
+        "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - began, 1),
         "counts": counts,
