@@ -24,9 +24,9 @@ from unison.runtime import client_env, serve_store
 
 #: ``unison launch``'s option that forks the workers from a template which imported these once
 #: (torch's optimizers import torch._dynamo when the first is built): a ledger job then takes
-#: about a third less time and half the CPU. test_fault_tolerance (but one test) and the node
-#: tests use it; test_fault_chaos, test_launcher, the agents' tests and test_train_fault_tolerant
-#: start their workers as ``python script``.
+#: about a third less time and half the CPU. test_fault_tolerance, test_fault_chaos and the node
+#: tests use it; test_launcher, the agents' tests and test_train_fault_tolerant start their
+#: workers as ``python script``.
 PRELOAD = ("--preload", "torch,torch._dynamo,unison")
 
 

@@ -1,10 +1,10 @@
 """Fault tolerance under fire: random kills and stops (chaos), a loaded CPU (no false evictions),
 and kills that land while a joiner heals (its source, or the joiner itself).
 
-Real workers under `unison launch --fault-tolerant` run the exactly-once ledger of
+Real workers under `unison launch --fault-tolerant --preload` run the exactly-once ledger of
 tests/scripts/ft_ledger.py. The test signals only workers of its own run, found by the pid files
-they write (and checked by command line before each signal), caps every run in time, and kills
-whatever of the run is still alive at the end.
+they write (and checked before each signal to descend from the run's launcher), caps every run in
+time, and kills whatever of the run is still alive at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+from launch import PRELOAD
 from launch import run as run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_ledger.py"
@@ -38,8 +39,16 @@ def pad_sum(mb: float) -> float:
     return float(whole * (PAD_MOD - 1) * PAD_MOD // 2 + (rest - 1) * rest // 2)
 
 
+def _stat(pid: int) -> list[str]:
+    """Fields 3.. of /proc/PID/stat (state, ppid, ...); [] if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 class Job:
-    """One ledger job under `unison launch --fault-tolerant`, and the workers it started.
+    """One ledger job under `unison launch --fault-tolerant --preload`, and the workers it started.
 
     Used as a context manager: on the way out every worker of the run still alive is SIGKILLed
     (by the pids its workers wrote), and the launcher too.
@@ -55,7 +64,7 @@ class Job:
             if procs_per_node == 1
             else ("--nodes", str(nproc), "--procs-per-node", str(procs_per_node))
         )
-        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *size, *launcher]
+        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *size, *PRELOAD, *launcher]
         cmd += [str(SCRIPT), "--out", str(self.out), *args]
         self.lines: list[str] = []
         self.process = subprocess.Popen(
@@ -98,14 +107,13 @@ class Job:
         return next((pid for pid, wid in self.pids().items() if wid == worker), None)
 
     def alive(self, pid: int) -> bool:
-        """Whether ``pid`` is a live (not zombie) worker of this run: its command line names our out dir."""
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
+        """Whether ``pid`` is a live (not zombie) worker of this run: forked by the template that
+        this run's launcher started (``--preload``), or started by the launcher itself."""
+        fields = _stat(pid)
+        if not fields or fields[0] in ("Z", "X"):
             return False
-        state = stat.rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X") and str(SCRIPT) in cmdline and str(self.out) in cmdline
+        parent = int(fields[1])
+        return parent == self.process.pid or _stat(parent)[1:2] == [str(self.process.pid)]
 
     def signal(self, pid: int, sig: int) -> bool:
         """Send ``sig`` to a live worker of this run; False if it is gone."""
