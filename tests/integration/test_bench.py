@@ -494,7 +494,8 @@ def test_interrupted_run_tears_down(tmp_path, sig):
 # ---- a real bench ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_bench(tmp_path_factory):
-    """Three contenders, one of which fails (nonblocking refuses nn.MultiheadAttention), on 2 nodes."""
+    """Three contenders, one of which fails (nonblocking refuses a weight read earlier than where the
+    first forward read it), on 2 nodes."""
     out = tmp_path_factory.mktemp("bench")
     argv = [
         "bench",
@@ -557,7 +558,7 @@ def test_failing_contender_is_reported_and_the_bench_goes_on(small_bench):
     _, out, doc = small_bench
     failed = doc["contenders"][1]
     assert failed["status"] == "failed"
-    assert "RuntimeError: nonblocking: parameter 'attn.out_proj.weight'" in failed["error"]
+    assert "RuntimeError: nonblocking: parameter 'out.weight' was read in this forward before" in failed["error"]
     assert all(os.path.exists(log) for log in failed["logs"])
     assert doc["contenders"][2]["status"] == "ok"  # the one after it ran
 

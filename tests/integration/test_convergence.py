@@ -1,5 +1,5 @@
 """Every algorithm learns the digits as well as "allreduce": test accuracy
-within 1 point after the same number of samples (the `unison train` job)."""
+within 1 point after the same number of samples (the `unison train` job: 14 epochs, 20 on nodes)."""
 
 import launch
 import pytest
@@ -8,13 +8,18 @@ import torch.distributed as dist
 import unison
 from unison.apps import train
 
+#: Epochs of the flat runs (the `unison train` job's default is 20): allreduce passes 95% test
+#: accuracy by then, and every algorithm is within a point of it. The hierarchical runs keep 20:
+#: hierarchical sparseloco was 1.4 points behind after 14.
+EPOCHS = 14
 
-def train_each(names):
-    """The default `unison train` run once per algorithm, in one process group."""
+
+def train_each(names, epochs=EPOCHS):
+    """The default `unison train` run, for ``epochs`` epochs, once per algorithm, in one process group."""
     topo = unison.topology()
     results = {}
     for name in names:
-        config = train.TrainConfig(nproc=dist.get_world_size(), algorithm=name)
+        config = train.TrainConfig(nproc=dist.get_world_size(), algorithm=name, epochs=epochs)
         summary = train.run_training(config, topo)
         results[name] = None if summary is None else summary["test_accuracy"]
     return results
@@ -40,7 +45,7 @@ def hierarchical_names() -> list[str]:
 def hierarchical_accuracies():
     """The same job on 4 ranks as 2 nodes x 2: flat allreduce, then every hierarchical variant."""
     specs = ["allreduce"] + [f"{n}:hierarchical=true" for n in hierarchical_names()]
-    return launch.run(train_each, 4, specs, env={"UNISON_NODES": "2"}, timeout=900)[0]
+    return launch.run(train_each, 4, specs, 20, env={"UNISON_NODES": "2"}, timeout=900)[0]
 
 
 @pytest.mark.slow
