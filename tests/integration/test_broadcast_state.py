@@ -8,6 +8,7 @@ import os
 import resource
 import socket
 import struct
+import time
 
 import torch
 import torch.distributed as dist
@@ -112,9 +113,10 @@ def _share(pieces: int = 0, into: bool = False, fill_by_rank: bool = False) -> d
     dist.barrier()
     peak, io = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _io()
     out = share_state(state, SOURCES, RECEIVERS, names=names, into=own)
-    after = _io()
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
-    dist.barrier()
+    dist.barrier()  # every receiver has read its part: what a source wrote is acknowledged by now
+    time.sleep(0.2)  # past a delayed acknowledgement (40 ms)
+    after = _io()
     result = {"read": after["read"] - io["read"], "written": after["written"] - io["written"], "grown_mb": grown}
     if rank in RECEIVERS:
         module, expected = out["module"], _big_state(1.0, floats)["module"]

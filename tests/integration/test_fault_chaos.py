@@ -303,6 +303,7 @@ def hurry(job: Job, tmp_path: Path, worker: int) -> None:
     (tmp_path / "hurry").touch()
 
 
+@pytest.mark.alone
 def test_the_heal_source_killed_mid_transfer_the_joiner_heals_from_another_member(tmp_path):
     """Worker 1 dies at step 10, its replacement (3) joins and heals; its source is SIGKILLed while
     the payload is on the wire. The joiner heals again from the surviving member, the source's own
@@ -331,6 +332,7 @@ def test_the_heal_source_killed_mid_transfer_the_joiner_heals_from_another_membe
     assert queued > IN_FLIGHT
 
 
+@pytest.mark.alone
 def test_the_joiner_killed_mid_heal_the_members_go_on_and_its_replacement_heals(tmp_path):
     """Worker 1 dies at step 10, its replacement (3) is SIGKILLed while its heal payload is on the
     wire; the members go on, worker 3's replacement (4) heals, and every ledger is exact."""
@@ -445,6 +447,7 @@ def test_chaos_random_kills_and_stops_for_30_s_leave_exact_ledgers(tmp_path, alg
 
 # ---- no false evictions -----------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_busy_cpu_evicts_no_one(tmp_path):
     """3 workers and a busy loop on 2 cores, 2000 steps: nobody is evicted, nobody regroups."""
     steps = 2000

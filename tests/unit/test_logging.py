@@ -15,6 +15,7 @@ def unison_logger():
     """The ``unison`` logger, given back as it was (handlers and level)."""
     logger = logging.getLogger("unison")
     handlers, level = list(logger.handlers), logger.level
+    logger.handlers[:] = []  # a test before it in this process may have installed the command line's
     logger.setLevel(logging.NOTSET)
     yield logger
     logger.handlers[:] = handlers
@@ -61,6 +62,7 @@ def test_the_coordinator_logs_what_it_sees_at_its_level(caplog):
     boss = coordinator.Coordinator(coordinator.Settings(), None, host="127.0.0.1")
     assert boss.port > 0  # its store bound a port the OS picked
     with caplog.at_level(logging.INFO, logger="unison"):
+        caplog.clear()  # what the construction logged, where an earlier test set the level to INFO
         boss.note("regroup", "epoch 1: members [0]")
         boss.note("failure", "worker 1 exited with -9")
         boss.note("abort", "too few members")

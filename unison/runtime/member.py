@@ -616,7 +616,7 @@ class Member:
             return
         self._stop.set()
         try:
-            ring(self.store, self.id)  # before "done": the coordinator then forgets this worker's keys
+            ring(self.store, self.id)  # the watcher sees _stop and leaves
         except Exception:  # the store is gone: the watcher's wait has failed too
             pass
         if finished and self.lost is None:

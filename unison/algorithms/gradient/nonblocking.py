@@ -135,10 +135,13 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
         state.learned = True
         params = {id(p): p for layer in state.layers for p in layer}
         for pid, where in learner.first.items():
+            param = params.get(pid)
+            if param is None:
+                continue
             if where == START:
-                state.at_start.append(params[pid])
-            elif not any(p is params[pid] for p in state.layers[where]):
-                state.layers[where].append(params[pid])
+                state.at_start.append(param)
+            elif not any(p is param for p in state.layers[where]):
+                state.layers[where].append(param)
 
     # ---- what the user's calls now do ---------------------------------
     def _deferred_step(
