@@ -60,7 +60,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .member import ring
+from .member import ring, unring
 from .status_page import StatusPage
 from .template import Forked, Template
 
@@ -466,10 +466,7 @@ class Coordinator:
             self.store.delete_key(f"ft/hb/{w.id}")
             self.store.delete_key(f"ft/holder/{w.id}")
             if w.state == "dead":
-                rung = int(self.store.add(f"ft/bell/{w.id}", 0))
-                for k in range(max(1, rung - 1), rung + 1):  # the watcher deleted those it woke on
-                    self.store.delete_key(f"ft/bell/{w.id}/{k}")
-                self.store.delete_key(f"ft/bell/{w.id}")
+                unring(self.store, w.id)
 
     def _ring_all(self) -> None:
         """Wake the watcher of every worker that may be running (an evicted one too: it may

@@ -236,6 +236,14 @@ def ring(store: dist.Store, worker: int) -> None:
     store.set(f"ft/bell/{worker}/{k}", "")
 
 
+def unring(store: dist.Store, worker: int, first: int = 1) -> None:
+    """Delete worker ``worker``'s bell: the rings from ``first`` on (its watcher deleted those
+    before, the ones it woke on), then the counter. Only once its watcher has left."""
+    for k in range(first, int(store.add(f"ft/bell/{worker}", 0)) + 1):
+        store.delete_key(f"ft/bell/{worker}/{k}")
+    store.delete_key(f"ft/bell/{worker}")
+
+
 def post(store: dist.Store, kind: str, worker: int, **fields: Any) -> None:
     """Leave a message for the coordinator in its inbox (``ft/inbox/<k>``, k from a counter): it
     waits on the next one, blocked in the store, instead of looking at per-worker keys."""
@@ -628,10 +636,8 @@ class Member:
             if thread is not threading.current_thread():
                 thread.join(JOIN_S)
         self.reaper.park(JOIN_S)
-        try:  # the bell's keys: those rung and not waited for, then its counter
-            for k in range(self._bell, int(self.store.add(f"ft/bell/{self.id}", 0)) + 1):
-                self.store.delete_key(f"ft/bell/{self.id}/{k}")
-            self.store.delete_key(f"ft/bell/{self.id}")
+        try:
+            unring(self.store, self.id, self._bell)
         except Exception:  # the store is gone
             pass
 
