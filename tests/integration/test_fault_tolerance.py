@@ -211,7 +211,7 @@ def test_sparseloco_launches_the_interrupted_sync_again_from_the_error_feedback_
     breaks and is launched again after step 12 from the error feedback as it was before the broken
     launch; folded twice (the pseudo-gradient counted twice, beta applied twice, what the broken
     launch sent subtracted though never applied) the weights differ by hundreds."""
-    algorithm = "sparseloco:period=4,fragments=1,delay=0,chunk=40,topk=1,beta=0.5,outer_lr=1.0"
+    algorithm = "sparseloco:period=4,fragments=1,delay=0,layout=flat,chunk=40,topk=1,beta=0.5,outer_lr=1.0,quantizer=max,mean=world"
     code, err, found = launch(tmp_path, "--algorithm", algorithm, "--square", "--ramp", "--kill", "1@10")
     assert code == 0, err[-3000:]
     assert sorted(found) == [0, 2]

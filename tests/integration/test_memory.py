@@ -70,12 +70,14 @@ BUDGET = {
     # DASO is not in the issue's table; the model-averaging floor: its anchor (1 P, the last agreed average
     # bf16 differences are taken from). A sync's message (0.5 P in bf16) lives only while it travels.
     "daso:warmup_epochs=0": 1.02,
-    # sparseloco: its global weights and error feedback (2 P, float32), each rank's message (2% density,
-    # 2 bits: 0.012 P each, three held), the codec's block of magnitudes (256 KiB: 0.06 P here); streamed
-    # with a delay, the fragment in flight's weights at launch (0.25 P; measured 2.34). Its error feedback
-    # before the launch is copied only under fault tolerance (a sync a failure abandons starts again from it).
-    "sparseloco:period=4": 2.11,
-    "sparseloco:period=8,fragments=4,delay=1": 2.36,
+    # sparseloco: its global weights and error feedback (2 P, float32), each rank's message (1/64 density,
+    # 2 bits, 12-bit indices: 0.007 P each, three held), the entries a message sends as chosen (a float32
+    # value and an int32 position each: 0.03 P) and the codecs' two blocks (magnitudes, or a decode's sums
+    # and counts: 256 KiB, 0.06 P here); streamed with a delay, the fragment in flight's weights at launch
+    # (0.25 P). Its error feedback before the launch is copied only under fault tolerance (a sync a failure
+    # abandons starts again from it).
+    "sparseloco:period=4": 2.12,
+    "sparseloco:period=8,fragments=4,delay=1": 2.37,
     # demo: its momentum (1 P, float32), each bucket's messages (its own and every rank's: 3 of 7.8% of
     # the bucket at 4 float32 values and uint8 indices per 64, 0.23 P; 2-bit values, 2 per 64: 0.08 P),
     # the decoded average (one bucket, 0.06 P here) and the block shared by transforms and codecs (256 KiB).

@@ -13,14 +13,15 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from tests.unit.topk_reference import quantized_topk, sparseloco_sync
+from tests.unit.topk_reference import quantized_topk, sparseloco_sync, sparseloco_tiled_sync
 
 # (options, steps): 2-bit values with uint8 indices (chunks of 248) and decay; 4-bit with int16
 # indices (chunks of 866), a fixed k and beta = 1; 8-bit, one chunk, a period of 1.
+FIRST_FORM = {"layout": "flat", "quantizer": "max", "mean": "world"}  # unison's first form, before the references'
 CASES = [
-    ({"period": 3, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8}, 9),
-    ({"period": 2, "chunk": 1000, "topk": 20, "bits": 4, "beta": 1.0, "outer_lr": 1.0}, 6),
-    ({"period": 1, "chunk": 4096, "density": 0.02, "bits": 8, "beta": 0.5, "outer_lr": 0.7}, 3),
+    ({"period": 3, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8, **FIRST_FORM}, 9),
+    ({"period": 2, "chunk": 1000, "topk": 20, "bits": 4, "beta": 1.0, "outer_lr": 1.0, **FIRST_FORM}, 6),
+    ({"period": 1, "chunk": 4096, "density": 0.02, "bits": 8, "beta": 0.5, "outer_lr": 0.7, **FIRST_FORM}, 3),
 ]
 
 
@@ -104,10 +105,87 @@ def test_every_sync_is_the_hand_written_update(world):
             assert r["bytes"] == r["expected_bytes"] > 0
 
 
+# The references' form (the defaults): 16 x 16 tiles (the MLP's 32 x 32 matrices in 4, its biases
+# in chunks of 16) at 10%, 2 bits; the default 64 x 64 tiles (whole matrices) at 1/32 and 4 bits.
+TILED = [
+    ({"period": 3, "tile": 16, "density": 0.1, "bits": 2, "beta": 0.9, "outer_lr": 0.8}, 9),
+    ({"period": 2, "density": 1 / 32, "bits": 4, "beta": 0.95, "outer_lr": 1.0}, 4),
+]
+
+
+def check_against_tiled_reference() -> list[dict]:
+    """As ``check_against_reference``, against the references' update tensor by tensor: tiles,
+    binned values, each coordinate's mean over the ranks that sent it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for options, steps in TILED:
+        torch.manual_seed(0)
+        net = MLP()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        inner: list = []
+        opt.register_step_post_hook(
+            lambda o, _a, _k, inner=inner, net=net: inner.append([p.detach().clone() for p in net.parameters()])
+        )
+        glob = [p.detach().clone() for p in net.parameters()]
+        model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("sparseloco", **options))
+        state = model.algorithm_state
+        errors = [[torch.zeros_like(g) for g in glob] for _ in range(world)]
+        gaps, feedback_gaps, spreads, syncs = [], [], [], 0
+        for s in range(steps):
+            train_step(model, opt, *batch(s, rank))
+            spreads.append(spread_across_ranks(net))
+            if (s + 1) % options["period"]:
+                continue
+            mine = torch.cat([t.reshape(-1) for t in inner[-1]])
+            weights = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(weights, mine)
+            split = [list(w.split([g.numel() for g in glob])) for w in weights]
+            split = [[t.view(g.shape) for t, g in zip(ts, glob)] for ts in split]
+            glob = sparseloco_tiled_sync(
+                glob,
+                errors,
+                split,
+                beta=options["beta"],
+                outer_lr=options["outer_lr"],
+                side=options.get("tile", 64),
+                density=options["density"],
+                bits=options["bits"],
+            )
+            gaps.append(max((p.detach() - g).abs().max().item() for p, g in zip(net.parameters(), glob)))
+            held = list(state.by_name(state.errors).values())
+            feedback_gaps.append(max((h - e).abs().max().item() for h, e in zip(held, errors[rank])))
+            syncs += 1
+        out.append(
+            {
+                "gaps": gaps,
+                "feedback_gaps": feedback_gaps,
+                "spreads": spreads,
+                "period": options["period"],
+                "bytes": model.comm_stats["bytes_total"],
+                "expected_bytes": syncs * (world - 1) * state.codecs[0].nbytes,
+            }
+        )
+        model.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_sync_is_the_references_update(world):
+    for rank_results in launch.run(check_against_tiled_reference, world, timeout=120):
+        for r in rank_results:
+            assert len(r["gaps"]) == len(r["spreads"]) // r["period"] > 0
+            assert max(r["gaps"]) < 1e-5, r["gaps"]
+            assert max(r["feedback_gaps"]) < 1e-5, r["feedback_gaps"]
+            for s, spread in enumerate(r["spreads"], 1):
+                if s % r["period"] == 0:
+                    assert spread == 0.0, (s, r["spreads"])
+            assert r["bytes"] == r["expected_bytes"] > 0
+
+
 # (spec, save at): between two syncs; and streamed, fragment 1's sync (launched at step 4) in flight
 RESUMED = [
-    ("sparseloco:period=3,chunk=256,density=0.05,beta=0.9", 5),
-    ("sparseloco:period=4,fragments=2,delay=1,chunk=256,density=0.05,bits=4", 4),
+    ("sparseloco:period=3,layout=flat,chunk=256,density=0.05,beta=0.9", 5),
+    ("sparseloco:period=4,fragments=2,delay=1,tile=16,density=0.05,bits=4", 4),
 ]
 STEPS = 10
 
@@ -168,14 +246,15 @@ def check_switch() -> dict:
     model = unison.DataParallel(net, optimizer=opt)
     step = 0
     for spec, steps in (
-        ("sparseloco:period=2,chunk=256,density=0.1", 5),
+        ("sparseloco:period=2,tile=16,density=0.1", 5),
         ("sparseloco:period=4,fragments=2,delay=1", 6),
     ):
         for _ in range(2):
             out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
             step += 1
         model.switch_to(spec)
-        glob = torch.cat([g.flat[: g.numel] for g in model.algorithm_state.globals])
+        state = model.algorithm_state
+        glob = torch.cat([v.reshape(-1) for v in state.by_name(state.globals).values()])
         out.setdefault("global_is_weights", []).append(torch.equal(glob, flat(net)))
         for _ in range(steps):
             out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
@@ -201,7 +280,7 @@ def test_switch_to_in_and_out():
 
 # ---- hierarchical: 4 ranks as 2 nodes x 2 --------------------------------------------------
 NODES = {"UNISON_NODES": "2"}
-HIERARCHICAL = {"period": 2, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8}
+HIERARCHICAL = {"period": 2, "chunk": 256, "density": 0.05, "bits": 2, "beta": 0.9, "outer_lr": 0.8, **FIRST_FORM}
 
 
 def check_hierarchical() -> dict:
@@ -220,6 +299,7 @@ def check_hierarchical() -> dict:
     model = unison.DataParallel(net, optimizer=opt, algorithm=spec)
     state = model.algorithm_state
     codec, levels, part = state.codecs[0], state.levels, state.node_parts[0]
+    padded, size = state.tiles[0].numel, state.tiles[0].runs[0].size
     nodes, local = topo.num_nodes, topo.local_world_size
     bounds = part.bounds
     errors = [[torch.zeros(bounds[j + 1] - bounds[j]) for j in range(local)] for _ in range(nodes)]
@@ -231,16 +311,16 @@ def check_hierarchical() -> dict:
             continue
         weights = [torch.empty_like(glob) for _ in range(world)]
         dist.all_gather(weights, inner[-1])
-        update = torch.zeros(codec.padded)
+        update = torch.zeros(padded)
         for j in range(local):
             a, b = bounds[j], bounds[j + 1]
             if b == a:
                 continue
             for n in range(nodes):
-                delta = torch.zeros(codec.padded)
+                delta = torch.zeros(padded)
                 delta[: glob.numel()] = torch.stack([glob - weights[n * local + i] for i in range(local)]).mean(0)
                 e = errors[n][j].mul_(HIERARCHICAL["beta"]).add_(delta[a:b])
-                sent = quantized_topk(e, codec.size, codec.k, HIERARCHICAL["bits"])
+                sent = quantized_topk(e, size, codec.k, HIERARCHICAL["bits"])
                 e.sub_(sent)
                 update[a:b] += sent / nodes
         glob = glob - HIERARCHICAL["outer_lr"] * update[: glob.numel()]
@@ -256,7 +336,7 @@ def check_hierarchical() -> dict:
         "bytes": model.comm_stats["bytes_total"],
         "cross": levels.inter_bytes,
         "expected_cross": syncs * (nodes - 1) * part.codec.nbytes,
-        "expected_bytes": syncs * (2 * levels.leg_bytes(codec.padded, 4, bounds) + (nodes - 1) * part.codec.nbytes),
+        "expected_bytes": syncs * (2 * levels.leg_bytes(padded, 4, bounds) + (nodes - 1) * part.codec.nbytes),
         "flat_bytes": syncs * (world - 1) * codec.nbytes,
         "moved": (glob - inner[0]).abs().max().item(),
     }

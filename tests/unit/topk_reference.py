@@ -47,3 +47,97 @@ def sparseloco_sync(
         e.sub_(s)
         sent.append(s)
     return global_ - outer_lr * torch.stack(sent).mean(0)
+
+
+def tile_positions(shape: tuple[int, ...], side: int) -> list[torch.Tensor]:
+    """The positions (in the flat tensor) of each chunk SparseLoCo's references cut a tensor of
+    ``shape`` into: ``h x w`` tiles of a matrix (``shape[0] x rest``; the largest divisors up to
+    ``side``) read row by row, else chunks of a vector (the largest divisor of its length up to
+    ``side``, or even chunks with padding, as -1, when that divisor is under half of ``side``)."""
+
+    def divisor(n: int) -> int:
+        return max(d for d in range(1, min(n, side) + 1) if n % d == 0)
+
+    n = math.prod(shape)
+    if len(shape) >= 2:
+        rows, cols = shape[0], n // shape[0]
+        h, w = divisor(rows), divisor(cols)
+        if h * w >= side:
+            out = []
+            for i in range(rows // h):
+                for j in range(cols // w):
+                    out.append(torch.tensor([r * cols + c for r in range(i * h, i * h + h) for c in range(j * w, j * w + w)]))
+            return out
+    size = divisor(n)
+    if 2 * size < min(side, n):
+        chunks = math.ceil(n / side)
+        size = math.ceil(n / chunks)
+        padded = list(range(n)) + [-1] * (chunks * size - n)
+        return [torch.tensor(padded[c * size : (c + 1) * size]) for c in range(chunks)]
+    return [torch.arange(c * size, (c + 1) * size) for c in range(n // size)]
+
+
+def binned(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The references' ``2**bits``-bin quantizer written plainly: what each of ``values`` decodes to."""
+    levels = 2**bits
+    shift = values.mean()
+    centred = values - shift
+    n = values.numel()
+    std = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.tensor(0.0)
+    width = 6 * std / levels
+    if not (width > 0 and math.isfinite(width)):
+        width = torch.tensor(1.0)
+    codes = torch.round(centred / width + levels // 2).clamp(0, levels - 1)
+    out = torch.empty_like(values)
+    for q in range(levels):
+        where = codes == q
+        if where.any():
+            out[where] = centred[where].mean() + shift
+    return out
+
+
+def tiled_message(e: torch.Tensor, side: int, density: float, bits: int) -> torch.Tensor:
+    """The dense values one tensor's message carries: the top ``round(density * size)`` entries
+    of each chunk (``tile_positions``), quantized together by ``binned``; zeros elsewhere."""
+    flat = e.reshape(-1)
+    chosen = []
+    for positions in tile_positions(tuple(e.shape), side):
+        row = torch.stack([flat[p] if p >= 0 else torch.tensor(0.0) for p in positions.tolist()])
+        k = min(len(positions), max(1, round(density * len(positions))))
+        top = torch.argsort(row.abs(), descending=True)[:k]
+        chosen += [(int(positions[t]), row[t]) for t in top.tolist()]
+    decoded = binned(torch.stack([v for _, v in chosen]), bits)
+    out = torch.zeros_like(flat)
+    for (p, _), v in zip(chosen, decoded):
+        if p >= 0:
+            out[p] = v
+    return out.view(e.shape)
+
+
+def sparseloco_tiled_sync(
+    global_: list[torch.Tensor],
+    errors: list[list[torch.Tensor]],
+    weights: list[list[torch.Tensor]],
+    *,
+    beta: float,
+    outer_lr: float,
+    side: int,
+    density: float,
+    bits: int,
+) -> list[torch.Tensor]:
+    """One outer step of SparseLoCo as its references run it, tensor by tensor: each rank's error
+    becomes ``beta * e + (global - w)``, sends ``tiled_message`` of it and keeps the rest
+    (``errors[rank][tensor]`` updated in place); returns ``global - outer_lr * m`` with ``m`` each
+    coordinate's mean over the ranks that sent it."""
+    out = []
+    for t, g in enumerate(global_):
+        total, count = torch.zeros_like(g), torch.zeros_like(g)
+        for rank, w in enumerate(weights):
+            e = errors[rank][t]
+            e.mul_(beta).add_(g - w[t])
+            sent = tiled_message(e, side, density, bits)
+            e.sub_(sent)
+            total += sent
+            count += (sent != 0).float()
+        out.append(g - outer_lr * total / count.clamp(min=1))
+    return out

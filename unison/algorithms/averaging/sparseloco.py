@@ -1,11 +1,13 @@
 """SparseLoCo (Sarfi et al. 2025): DiLoCo's local steps, with a sparse, 2-bit outer sync.
 
 Every ``period`` inner steps each rank adds its pseudo-gradient (the global weights at the last
-sync minus its weights) to an error-feedback buffer decayed by ``beta``, sends the buffer's
-chunk-wise top-k entries quantized to ``bits`` bits (``engine.topk``), and keeps the rest. The
-ranks all-gather the fixed-size messages, each decodes and averages them, and the outer step is
+sync minus its weights) to an error-feedback buffer decayed by ``beta``, sends the top-k entries
+of each 64 x 64 tile of each tensor quantized to ``bits`` bits (``engine.tiles``,
+``engine.tiled_topk``), and keeps the rest. The ranks all-gather the fixed-size messages, each
+decodes them and takes each coordinate's mean over the ranks that sent it, and the outer step is
 plain descent: ``global -= outer_lr * average`` (the error feedback stands in for DiLoCo's outer
-momentum). Every rank then takes the new global weights. ``fragments`` and ``delay`` stream the
+momentum). Every rank then takes the new global weights. As the paper's release and Templar run
+it; ``layout="flat"``, ``quantizer="max"`` and ``mean="world"`` give unison's first form. ``fragments`` and ``delay`` stream the
 syncs as diloco's do. ``hierarchical``: the node sums the pseudo-gradients at full precision, each
 local rank keeps the error feedback of its shard of whole chunks and only its sparse message
 crosses nodes (``engine.hierarchy.TwoLevel``).
@@ -23,9 +25,10 @@ import torch.distributed as dist
 from ...engine.averaging import average_async
 from ...engine.comm import Finished, Waitable, start
 from ...engine.comm import wait as comm_wait
-from ...engine.flat import Flat
 from ...engine.hierarchy import TwoLevel
-from ...engine.topk import BITS, SCALE_DTYPES, TopK, scratch_numel
+from ...engine.tiled_topk import TiledTopK
+from ...engine.tiles import TiledBuffer, Tiles
+from ...engine.topk import BITS, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
 from ..contract import Recovery
@@ -34,9 +37,9 @@ from ..streaming import Stagger, Streamed, StreamedState, default_schedule, frag
 
 
 class SparseLoCoState(StreamedState):
-    """Per fragment, the global weights and this rank's error feedback (float32 flat buffers in
-    the codec's padded layout, views shaped like the fragment's pieces), its codec and its
-    message buffers; the step count and the syncs in flight.
+    """Per fragment, its layout (``Tiles``), the global weights and this rank's error feedback
+    (float32 buffers in that layout), its codec and its message buffers; the step count and the
+    syncs in flight.
 
     Saved: the global weights (shared: equal on every rank) and the error feedback (rank-local:
     ``feedback``). Under fault tolerance, while a fragment's sync travels, its error feedback as it
@@ -48,6 +51,7 @@ class SparseLoCoState(StreamedState):
         "params",
         "buffers",
         "fragments",
+        "tiles",
         "globals",
         "errors",
         "codecs",
@@ -62,7 +66,8 @@ class SparseLoCoState(StreamedState):
         count: StepCount,
         fragments: list[list[tuple[str, torch.Tensor]]],
         buffers: list[torch.Tensor],
-        codecs: list[TopK],
+        tiles: list[Tiles],
+        codecs: list[TiledTopK],
         group: Optional[dist.ProcessGroup],
         world: int,
     ) -> None:
@@ -72,28 +77,33 @@ class SparseLoCoState(StreamedState):
         self.params: list[list[torch.Tensor]] = [[p for _, p in fragment] for fragment in fragments]
         self.fragments: list[list[str]] = [[n for n, _ in fragment] for fragment in fragments]
         self.buffers = buffers  # floating-point buffers, averaged densely with the last fragment
+        self.tiles = tiles
         self.codecs = codecs
         self.group = group  # None: one process, the average is this rank's own message
-        # internal state: float32 copies, allocated once (the padding stays zero)
-        with torch.no_grad():
-            self.globals = [Flat(ps, torch.float32, c.padded) for ps, c in zip(self.params, codecs)]
-            for flat in self.globals:
-                flat.load()
-            self.errors = [Flat(ps, torch.float32, c.padded) for ps, c in zip(self.params, codecs)]
+        # internal state: float32 copies in each fragment's layout, allocated once (the padding stays zero)
+        device = self.params[0][0].device
+        self.globals = [TiledBuffer(t, device) for t in tiles]
+        for glob, ps in zip(self.globals, self.params):
+            glob.load(ps)
+        self.errors = [TiledBuffer(t, device) for t in tiles]
         # per fragment: this rank's message and every rank's ([world, nbytes]), reused at each sync
         self.messages = [(c.empty(), c.empty(world)) for c in codecs]
         self.node_parts: list[NodePart] = []  # hierarchical: per fragment, this rank's shard and its buffers
         self.before: dict[int, torch.Tensor] = {}  # per fragment in flight, its error feedback before the launch
 
-    def _by_name(self, flats: list[Flat]) -> dict[str, torch.Tensor]:
-        return {n: v.detach().clone() for f, flat in zip(self.fragments, flats) for n, v in zip(f, flat.views)}
+    def by_name(self, buffers: list[TiledBuffer]) -> dict[str, torch.Tensor]:
+        """Each tensor's values in ``buffers``, shaped like its parameter, by name."""
+        out: dict[str, torch.Tensor] = {}
+        for names, params, b in zip(self.fragments, self.params, buffers):
+            out.update(zip(names, b.tiles.unpad(b.flat, [p.shape for p in params])))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         streams = self.streams_state()  # first: it waits for the syncs in flight
         return {
             **self.count.state_dict(),
-            "global": self._by_name(self.globals),
-            "feedback": self._by_name(self.errors),
+            "global": self.by_name(self.globals),
+            "feedback": self.by_name(self.errors),
             "in_flight": [],
             **streams,
         }
@@ -113,27 +123,42 @@ class SparseLoCoState(StreamedState):
         self.count.load_state_dict(state)
         self.before.clear()  # the syncs in flight loaded have landed: they are merged as they are
         with torch.no_grad():
-            for key, flats in (("global", self.globals), ("feedback", self.errors)):
-                for f, flat in zip(self.fragments, flats):
-                    flat.flat.zero_()
-                    for n, v in zip(f, flat.views):
-                        v.copy_(state[key][n])
+            for key, buffers in (("global", self.globals), ("feedback", self.errors)):
+                for f, ps, b in zip(self.fragments, self.params, buffers):
+                    b.flat.zero_()
+                    b.load([state[key][n].reshape(p.shape).to(b.flat) for n, p in zip(f, ps)])
 
 
 class SparseLoCo(Streamed[SparseLoCoState]):
-    """Local training with a sparse outer step every ``period`` steps: chunk-wise top-k of an
-    error-feedback buffer, values in ``bits`` bits, averaged by all-gather, plain outer descent.
+    """Local training with a sparse outer step every ``period`` steps: the top-k of each tile of
+    an error-feedback buffer, values in ``bits`` bits, gathered by all-gather and averaged over
+    their senders, plain outer descent.
 
     Args:
         period: inner steps between two outer steps (SparseLoCo's H).
         outer_lr: the outer step's learning rate (the paper's 1.0).
         beta: the error feedback's decay, in [0, 1] (the paper's 0.95); 1 keeps it whole.
-        chunk: values per chunk (the last chunks of a fragment are evened out, so at most this).
-        density: the share of each chunk sent, in (0, 1] (the paper's 1-3%; 1/64: 64 of 4096).
-        topk: the entries per chunk, instead of ``density`` (at most ``chunk``).
+        layout: where the top-k is taken. ``"tiles"`` (the references'): each tensor on its own,
+            a matrix in ``tile x tile`` tiles (sides the largest divisors of its rows and columns
+            up to ``tile``), a vector in chunks of ``tile`` values, so every tensor sends its
+            share; ``"flat"``: the fragment's tensors end to end in chunks of ``chunk`` values,
+            where tensors compete for each chunk's entries (``engine.tiles``).
+        tile: the side of a tile (``layout="tiles"``; default 64).
+        chunk: values per chunk (``layout="flat"``; default 4096).
+        density: the share of each chunk sent, in (0, 1]: 1/64, Templar's production (64 of a
+            4096-value tile; the paper sweeps 1-3%).
+        topk: the entries per ``tile x tile`` tile (scaled to smaller tiles and to vectors' chunks,
+            as the reference does) or per ``chunk``, instead of ``density``.
         bits: bits per value sent: 2, 4 or 8.
-        scale_dtype: the dtype of each chunk's scale on the wire: ``"fp32"`` or ``"bf16"`` (2
-            bytes instead of 4 of the 148 a chunk of 4096 sends at the defaults).
+        quantizer: ``"bins"`` (the references'): the values a tensor sends centred on their mean,
+            ``2**bits`` bins over +-3 standard deviations, each code decoded to the mean of the
+            values in its bin (a table of ``2**bits`` values per tensor travels along);
+            ``"max"``: each chunk's values on a symmetric grid scaled by its largest.
+        mean: ``"senders"`` (the references'): each coordinate's mean over the ranks that sent
+            it; ``"world"``: the sum of the messages over the number of ranks (a coordinate sent
+            by one rank of four moves a quarter as far).
+        scale_dtype: the dtype of the tables (``"bins"``) or scales (``"max"``) on the wire:
+            ``"fp32"`` or ``"bf16"``.
         fragments, delay: how the syncs are streamed (see ``streaming.Streamed``); the default
             is the paper's schedule, one fragment and no delay.
         hierarchical: the node sums the pseudo-gradients inside at full precision; each local
@@ -141,23 +166,22 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             its sparse message to the same local rank of every other node; the node gathers the
             decoded average. Only ``nodes - 1`` messages per local rank cross nodes.
 
-    A message is the chunks' float32 scales, ``k`` indices per chunk in the smallest integer
-    type that holds the chunk's size (int16 for 4096), and the codes bit-packed: about
-    ``density * (16 + bits) / 32`` of fp32's bytes (0.9% at the defaults; ``engine.topk``): on 4
-    ranks, 1/55 of what fp32 diloco sends (an all-gather's bytes grow with the ranks: ``W / 2``
-    times the message's share).
-    Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
+    A message is the tables (or scales), each chunk's ``k`` positions (12 bits up to 4096 values
+    a chunk, two to 3 bytes) and the codes bit-packed: about ``density * (12 + bits) / 32`` of
+    fp32's bytes (0.68% at the defaults; ``engine.tiled_topk``): on 4 ranks, about 1/70 of what
+    fp32 diloco sends (an all-gather's bytes grow with the ranks: ``W / 2`` times the message's
+    share). Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
 
     Memory: the global weights and the error feedback, in float32 (+2 P for a float32 model),
-    each rank's message (about 0.01 P per rank at the defaults), under ``fault_tolerant=True``
+    each rank's message (about 0.007 P per rank at the defaults), under ``fault_tolerant=True``
     while a sync travels its fragment's error feedback before the launch (what a sync abandoned by
     a failure starts again from) and, with a ``delay``, its weights at launch; hierarchical, a
     float32 buffer the node's rounds run in (+1 P).
 
     Example::
 
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        model = unison.DataParallel(net, optimizer=opt, algorithm="sparseloco:period=32,density=0.01")
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        model = unison.DataParallel(net, optimizer=opt, algorithm="sparseloco:period=30")
     """
 
     name = "sparseloco"
@@ -171,10 +195,14 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     period: int = 16
     outer_lr: float = 1.0
     beta: float = 0.95
-    chunk: int = 4096
-    density: float = 1 / 64  # 64 of a chunk of 4096: 1/50 of fp32 diloco's bytes on 4 ranks
+    layout: Literal["tiles", "flat"] = "tiles"
+    tile: Optional[int] = None
+    chunk: Optional[int] = None
+    density: float = 1 / 64  # 64 of a 64 x 64 tile: Templar's production setting
     topk: Optional[int] = None
     bits: int = 2
+    quantizer: Literal["bins", "max"] = "bins"
+    mean: Literal["senders", "world"] = "senders"
     scale_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
@@ -183,16 +211,39 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         options.number("beta", self.beta, 0.0, open_low=False)
         if self.beta > 1:
             raise options.OptionError("beta", "a number in [0, 1] (1: the error feedback is never decayed)", self.beta)
-        options.integer("chunk", self.chunk)
+        options.choice("layout", self.layout, ("tiles", "flat"))
+        options.integer("tile", self.tile, optional=True)
+        options.integer("chunk", self.chunk, optional=True)
+        if self.layout == "tiles" and self.chunk is not None:
+            raise options.OptionError(
+                "chunk", "unset with layout='tiles' (tiles are tile x tile; layout='flat' cuts chunks)", self.chunk
+            )
+        if self.layout == "flat" and self.tile is not None:
+            raise options.OptionError(
+                "tile",
+                "unset with layout='flat' (its chunks are chunk values long; layout='tiles' cuts tiles)",
+                self.tile,
+            )
         options.number("density", self.density)
         if self.density > 1:
             raise options.OptionError("density", "a number in (0, 1] (the share of each chunk sent)", self.density)
         options.integer("topk", self.topk, optional=True)
-        if self.topk is not None and self.topk > self.chunk:
-            raise options.OptionError("topk", f"at most chunk ({self.chunk}): the entries sent per chunk", self.topk)
+        most = self.size**2 if self.layout == "tiles" else self.size
+        if self.topk is not None and self.topk > most:
+            what = f"at most tile * tile ({most})" if self.layout == "tiles" else f"at most chunk ({most})"
+            raise options.OptionError("topk", f"{what}: the entries sent per tile or chunk", self.topk)
         options.choice("bits", self.bits, BITS)
+        options.choice("quantizer", self.quantizer, ("bins", "max"))
+        options.choice("mean", self.mean, ("senders", "world"))
         options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
         super().__post_init__()
+
+    @property
+    def size(self) -> int:
+        """The tile's side (``layout="tiles"``) or the chunk's length (``"flat"``)."""
+        if self.layout == "tiles":
+            return 64 if self.tile is None else self.tile
+        return 4096 if self.chunk is None else self.chunk
 
     def schedule(self) -> Stagger:
         """The paper's schedule (one fragment, no delay) unless ``fragments`` or ``delay`` is given."""
@@ -205,17 +256,19 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         group = replica.private_group("sparseloco") if replica.distributed else None
         world = dist.get_world_size(group) if group is not None else 1
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
-        sizes = [sum(p.numel() for _, p in f) for f in fragments]
         device = fragments[0][0][1].device
-        scratch = torch.empty(max(scratch_numel(n, self.chunk) for n in sizes), device=device)  # one sync at a time
         scale = SCALE_DTYPES[self.scale_dtype]
-        codecs = [TopK(n, self.chunk, self.density, self.topk, self.bits, device, scratch, scale) for n in sizes]
-        state = SparseLoCoState(StepCount(self.period), fragments, buffers, codecs, group, world)
+        tiles = [Tiles([p.shape for _, p in f], self.layout, self.size, self.density, self.topk) for f in fragments]
+        codecs = [TiledTopK(t.runs, self.bits, self.quantizer, scale, device) for t in tiles]
+        scratch = torch.empty(2 * max(c.block_numel for c in codecs), device=device)  # one sync at a time
+        for c in codecs:
+            c.share(scratch)
+        state = SparseLoCoState(StepCount(self.period), fragments, buffers, tiles, codecs, group, world)
         if self.hierarchical and group is not None:
             topology, private = replica.topology, replica.private_group
             state.levels = TwoLevel.build(topology, group, private, self.name, "sparseloco/nodes", thread=True)
             if state.levels is not None:
-                state.node_parts = [NodePart(state.levels, c, self.bits, scratch) for c in codecs]
+                state.node_parts = [NodePart(state.levels, t, self, device, scratch) for t in tiles]
         self.stream(replica, state, len(fragments))
         return state
 
@@ -224,7 +277,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         stays in the feedback) and start the all-gather; keep its weights if merged late, and its
         error feedback before the fold until the sync merges."""
         f, params = fragment, state.params[fragment]
-        error, codec = state.errors[f], state.codecs[f]
+        error, codec, tiles = state.errors[f], state.codecs[f], state.tiles[f]
         mine, everyone = state.messages[f]
         with torch.no_grad():
             at_launch = [p.detach().clone() for p in params] if state.late else None
@@ -236,9 +289,9 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             if self.beta != 1:
                 error.flat.mul_(self.beta)
             error.flat.add_(state.globals[f].flat)  # + global - params: the pseudo-gradient
-            torch._foreach_sub_(error.views, [p.detach() for p in params])
+            torch._foreach_sub_(error.views, tiles.shaped([p.detach() for p in params]))
             codec.encode(error.flat, mine)
-            error.flat[error.numel :].zero_()  # a padding entry sent (as any value, never 0) is not kept
+            tiles.zero_pad(error.flat)  # a padding entry sent (as any value) is not kept
             if state.group is None:
                 return Finished([mine.view(1, -1)] + [b.detach().clone() for b in buffers]), at_launch
             pending = Exchange(mine, everyone, state.group, buffers)
@@ -250,10 +303,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     ) -> Waitable:
         """Hierarchical: write ``fragment``'s pseudo-gradient into its node buffer and run the
         node's round on the levels' thread; the buffers are averaged flat beside it."""
-        levels, part, glob = state.levels, state.node_parts[f], state.globals[f]
+        levels, part, glob, tiles = state.levels, state.node_parts[f], state.globals[f], state.tiles[f]
         assert levels is not None and state.group is not None
         part.work.copy_(glob.flat)  # its padding is zero
-        torch._foreach_sub_(part.views(glob), [p.detach() for p in params])
+        torch._foreach_sub_(tiles.views(part.work), tiles.shaped([p.detach() for p in params]))
         pending = levels.submit(self._node_round, state, f, meter=state)
         averaged = average_async(buffers, state.group) if buffers else None
         if averaged is not None:
@@ -276,12 +329,11 @@ class SparseLoCo(Streamed[SparseLoCoState]):
                     mine.mul_(self.beta)
                 mine.add_(shard, alpha=1.0 / levels.local_size)
                 codec.encode(mine, message)
-                error.flat[error.numel :].zero_()  # a padding entry sent is not kept
+                state.tiles[f].zero_pad(error.flat)  # a padding entry sent is not kept
                 comm_wait(start_gather(everyone, message, levels.inter))
                 levels.inter_bytes += (levels.nodes - 1) * message.numel()
                 shard = work[start:end].zero_()
-                for received in everyone:  # in node order: the same bits on every node
-                    codec.decode_add(received, shard, 1.0 / levels.nodes)
+                codec.mean_into(everyone, shard, 1.0, self.mean == "senders")  # in node order
             return levels.gather(work, shard, part.bounds)
 
     def merge(self, replica: Replica, state: SparseLoCoState, fragment: int, result: Any, extra: Any) -> None:
@@ -290,20 +342,18 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         f, at_launch = fragment, extra
         state.before.pop(f, None)
         messages, averaged = result[0], result[1:]
-        glob, codec = state.globals[f], state.codecs[f]
+        glob, codec, tiles = state.globals[f], state.codecs[f], state.tiles[f]
         with torch.no_grad():
-            if messages.dtype == torch.uint8:
-                alpha = -self.outer_lr / messages.shape[0]
-                for message in messages:  # in rank order: every rank adds the same values in the same order
-                    codec.decode_add(message, glob.flat, alpha)
+            if messages.dtype == torch.uint8:  # in rank order: every rank adds the same values in the same order
+                codec.mean_into(messages, glob.flat, -self.outer_lr, self.mean == "senders")
             else:  # hierarchical: the decoded average itself, the same bits on every rank
                 glob.flat.add_(messages, alpha=-self.outer_lr)
-            glob.flat[glob.numel :].zero_()
-            params = [p.detach() for p in state.params[f]]
+            tiles.zero_pad(glob.flat)
+            params = tiles.shaped([p.detach() for p in state.params[f]])
             if at_launch is None:
                 torch._foreach_copy_(params, glob.views)
             else:  # keep the local steps taken while the sync travelled
-                torch._foreach_add_(params, torch._foreach_sub(glob.views, at_launch))
+                torch._foreach_add_(params, torch._foreach_sub(glob.views, tiles.shaped(at_launch)))
             if averaged:
                 torch._foreach_copy_([b.detach() for b in state.buffers], averaged)
 
@@ -346,40 +396,28 @@ def start_gather(everyone: torch.Tensor, mine: torch.Tensor, group: Optional[dis
 
 
 class NodePart:
-    """Hierarchical: one fragment's padded layout cut between the local ranks at chunk boundaries
+    """Hierarchical: one fragment's layout cut between the local ranks at chunk boundaries
     (``bounds``), the codec of this rank's shard (None when its shard is empty: then it sends
     nothing, as the same local rank on every node), its message and every node's, and the float32
-    buffer (``work``, the fragment's padded length) the node's rounds run in."""
+    buffer (``work``, in the fragment's layout) the node's rounds run in."""
 
     __slots__ = ("bounds", "codec", "mine", "everyone", "work")
 
-    def __init__(self, levels: TwoLevel, codec: TopK, bits: int, scratch: torch.Tensor) -> None:
-        local, size = levels.local_size, codec.size
-        self.bounds = [size * (codec.chunks * k // local) for k in range(local + 1)]
+    def __init__(
+        self, levels: TwoLevel, tiles: Tiles, algo: SparseLoCo, device: torch.device, scratch: torch.Tensor
+    ) -> None:
+        self.bounds = tiles.bounds(levels.local_size)
         start, end = levels.shard(self.bounds)
-        self.codec: Optional[TopK] = None
+        self.codec: Optional[TiledTopK] = None
         self.mine: Optional[torch.Tensor] = None
         self.everyone: Optional[torch.Tensor] = None
         if end > start:
-            self.codec = TopK(
-                end - start,
-                size,
-                topk=codec.k,
-                bits=bits,
-                device=codec.device,
-                scratch=scratch,
-                scale_dtype=codec.scale_dtype,
-            )
+            scale = SCALE_DTYPES[algo.scale_dtype]
+            self.codec = TiledTopK(tiles.slice(start, end), algo.bits, algo.quantizer, scale, device)
+            if 2 * self.codec.block_numel <= scratch.numel():
+                self.codec.share(scratch)
             self.mine, self.everyone = self.codec.empty(), self.codec.empty(levels.nodes)
-        self.work = torch.zeros(codec.padded, dtype=torch.float32, device=codec.device)
-
-    def views(self, glob: Flat) -> list[torch.Tensor]:
-        """Views of ``work`` laid out as ``glob.views`` are in ``glob.flat``."""
-        out, first = [], 0
-        for v in glob.views:
-            out.append(self.work[first : first + v.numel()].view(v.shape))
-            first += v.numel()
-        return out
+        self.work = torch.zeros(tiles.numel, dtype=torch.float32, device=device)
 
 
 class NodeExchange:

@@ -1,0 +1,159 @@
+"""SparseLoCo's layout and codec as its references run them (``unison.engine.tiles``,
+``unison.engine.tiled_topk``): each tensor's tiles, the top-k per tile, the binned 2-bit values,
+12-bit indices, the mean over senders; each against a plain reference (tests/unit/topk_reference.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.topk_reference import quantized_topk, tile_positions, tiled_message
+from unison.engine.tiled_topk import TiledTopK, index_bytes, pack_indices, unpack_indices
+from unison.engine.tiles import Tiles, TiledBuffer
+from unison.engine.topk import TopK
+
+CPU = torch.device("cpu")
+# a matrix in 64 x 64 tiles, one in 48 x 64 (96 rows), a vector of 64, one of a prime length (chunks
+# evened, padded), a tiny one, a 3-D tensor too small for tiles (a vector), one cut 1 x 64 (97 rows)
+SHAPES = [(128, 192), (96, 64), (64,), (97,), (5,), (3, 3, 3), (97, 64)]
+
+
+def tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def layout(density: float = 1 / 32, side: int = 64) -> Tiles:
+    return Tiles([torch.Size(s) for s in SHAPES], "tiles", side, density)
+
+
+def test_each_chunk_holds_the_positions_the_reference_cuts():
+    tiles = layout()
+    xs = [torch.arange(1, t.numel() + 1, dtype=torch.float32).view(t.shape) for t in tensors(0)]
+    buffer = TiledBuffer(tiles, CPU)
+    buffer.load(xs)
+    for x, run in zip(xs, tiles.runs):
+        chunks = buffer.flat[run.offset : run.offset + run.numel].view(run.chunks, run.size)
+        expected = [torch.where(p >= 0, x.reshape(-1)[p.clamp(min=0)], 0.0) for p in tile_positions(x.shape, 64)]
+        assert torch.equal(chunks, torch.stack(expected)), x.shape
+    back = tiles.unpad(buffer.flat, [x.shape for x in xs])
+    assert all(torch.equal(a, b) for a, b in zip(back, xs))
+    assert [(r.chunks, r.size) for r in tiles.runs] == [(6, 4096), (2, 3072), (1, 64), (2, 49), (1, 5), (1, 27), (97, 64)]
+    assert tiles.pad is not None and tiles.pad.tolist() == [tiles.runs[3].offset + 97]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("density", [1 / 64, 1 / 32, 0.2])
+def test_round_trip_is_the_references_binned_top_k_per_tile(bits, density):
+    tiles, xs = layout(density), tensors(bits)
+    codec = TiledTopK(tiles.runs, bits)
+    e = TiledBuffer(tiles, CPU)
+    e.load(xs)
+    message = codec.encode(e.flat, codec.empty())
+    tiles.zero_pad(e.flat)
+    decoded = torch.zeros(tiles.numel)
+    codec.mean_into(message[None], decoded)
+    got = tiles.unpad(decoded, [x.shape for x in xs])
+    kept = tiles.unpad(e.flat, [x.shape for x in xs])
+    for x, g, rest in zip(xs, got, kept):
+        torch.testing.assert_close(g, tiled_message(x, 64, density, bits), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rest + g, x, rtol=0, atol=1e-6)  # the feedback keeps exactly what was not sent
+    assert message.numel() == codec.nbytes and codec.nbytes % 4 == 0
+
+
+def test_the_bins_send_what_was_chosen_in_sum():
+    """Each code decodes to the mean of its bin: per tensor the values sent sum to those chosen,
+    and an outlier, alone in its bin, is sent as it is."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    x[0, 0] = 100.0
+    tiles = Tiles([x.shape], "tiles", 64, 1 / 16)
+    e = TiledBuffer(tiles, CPU)
+    e.load([x])
+    codec = TiledTopK(tiles.runs, 2)
+    codec.encode(e.flat, codec.empty())
+    chosen = codec._chosen
+    sent = torch.zeros(tiles.numel)
+    codec.mean_into(codec.encode(TiledBuffer(tiles, CPU).load([x]), codec.empty())[None], sent)
+    torch.testing.assert_close(sent.sum(), chosen.sum(), rtol=1e-5, atol=1e-4)
+    assert sent[0].item() == pytest.approx(100.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 1000])
+def test_twelve_bit_indices_pack_two_to_three_bytes_exactly(count):
+    where = torch.randint(0, 4096, (count + count % 2,), generator=torch.Generator().manual_seed(count))
+    if count % 2:
+        where[-1] = 0
+    out = torch.empty(index_bytes(where.numel(), 12), dtype=torch.uint8)
+    pack_indices(where, 12, out)
+    assert out.numel() == 3 * where.numel() // 2
+    assert torch.equal(unpack_indices(out, 12, torch.empty_like(where)), where)
+    edge = torch.tensor([0, 4095, 4095, 0, 2048, 15])
+    packed = torch.empty(9, dtype=torch.uint8)
+    pack_indices(edge, 12, packed)
+    assert torch.equal(unpack_indices(packed, 12, torch.empty_like(edge)), edge)
+
+
+@pytest.mark.parametrize("senders", [True, False])
+def test_the_mean_is_over_the_senders_of_each_coordinate(senders):
+    """Three ranks' messages: each coordinate's mean over the ranks that sent it (the references'
+    ``scatter_reduce(mean, include_self=False)``), or the sum over all three."""
+    tiles = layout(1 / 8)
+    codec = TiledTopK(tiles.runs, 2)
+    messages, dense = codec.empty(3), []
+    for r in range(3):
+        e = TiledBuffer(tiles, CPU)
+        e.load(tensors(10 + r))
+        codec.encode(e.flat, messages[r])
+        one = torch.zeros(tiles.numel)
+        codec.mean_into(messages[r][None], one)
+        dense.append(one)
+    stacked = torch.stack(dense)
+    sent = (stacked != 0).sum(0)
+    expected = stacked.sum(0) / (sent.clamp(min=1) if senders else 3)
+    out = torch.full((tiles.numel,), 2.0)
+    codec.mean_into(messages, out, alpha=-0.5, senders=senders)
+    torch.testing.assert_close(out, 2.0 - 0.5 * expected, rtol=1e-6, atol=1e-6)
+    assert (sent == 1).any() and (sent > 1).any()  # some coordinates one rank sent, some several
+
+
+def test_the_first_form_is_the_flat_max_codec_bit_for_bit():
+    """``layout="flat"``, ``quantizer="max"``: the same decoded values as ``engine.topk.TopK``."""
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    tiles = Tiles([x.shape], "flat", 4096, 0.02)
+    codec = TiledTopK(tiles.runs, 2, "max")
+    old = TopK(x.numel(), 4096, 0.02, bits=2)
+    e, e_old = torch.zeros(tiles.numel), torch.zeros(old.padded)
+    e[: x.numel()], e_old[: x.numel()] = x, x
+    out = torch.zeros(tiles.numel)
+    codec.mean_into(codec.encode(e, codec.empty())[None], out, senders=False)
+    assert torch.equal(out[: x.numel()], old.decode(old.encode(e_old, old.empty())))
+    assert torch.equal(e, e_old)
+    torch.testing.assert_close(out[: x.numel()], quantized_topk(x, 4096, old.k, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_shards_fall_on_chunk_boundaries_and_a_cut_inside_a_chunk_is_refused():
+    tiles = layout()
+    bounds = tiles.bounds(3)
+    assert bounds[0] == 0 and bounds[-1] == tiles.numel and bounds == sorted(bounds)
+    runs = [tiles.slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    assert sum(r.numel for part in runs for r in part) == tiles.numel
+    assert sum(r.count for part in runs for r in part) == tiles.count
+    with pytest.raises(ValueError, match="does not fall on chunk boundaries"):
+        tiles.slice(1, tiles.numel)
+
+
+def test_a_bfloat16_table_is_what_every_rank_decodes_and_the_feedback_keeps():
+    xs = tensors(5)
+    tiles = layout()
+    codec = TiledTopK(tiles.runs, 2, scale_dtype=torch.bfloat16)
+    full = TiledTopK(tiles.runs, 2)
+    e = TiledBuffer(tiles, CPU)
+    e.load(xs)
+    start = e.flat.clone()
+    message = codec.encode(e.flat, codec.empty())
+    tiles.zero_pad(e.flat)
+    out = torch.zeros(tiles.numel)
+    codec.mean_into(message[None], out)
+    torch.testing.assert_close(e.flat + out, start, rtol=0, atol=1e-6)
+    assert codec.heads(message).dtype == torch.bfloat16
+    assert codec.nbytes < full.nbytes
