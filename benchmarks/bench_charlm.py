@@ -28,6 +28,12 @@ benchmarks/results/charlm.json (or --json PATH).
     python benchmarks/bench_charlm.py --algorithms 'demo:sign=True@sgd:1e-3'   # its own optimizer and lr
     python benchmarks/bench_charlm.py --nodes 2 --procs-per-node 2 \
         --algorithms allreduce,local_sgd:hierarchical=true,diloco:hierarchical=true   # 2 x 2
+    python benchmarks/bench_charlm.py --betas 0.9,0.95 --weight-decay 0.1 --clip 1.0 \
+        --schedule cosine --seeds 0,1,2 --algorithms sparseloco      # SparseLoCo's inner loop, 3 seeds
+
+With ``--seeds`` every contender runs once per seed (the model's initialization and the data's
+order), and its figures are the means over the seeds, with each seed's beside them
+(``runs``) and the validation loss's spread (``val_loss_std``, ``val_loss_min``, ``val_loss_max``).
 """
 
 from __future__ import annotations
@@ -54,19 +60,22 @@ TARGET_RATIO = 1.02
 INNER = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW, or QAdamOptimizer (its default warm-up) for "qadam", which runs only with it; a
-    contender written ``algorithm@sgd:LR`` (or ``@adamw:LR``) trains with that optimizer and
+def make_optimizer(
+    name: str, params, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
+) -> torch.optim.Optimizer:
+    """AdamW (``betas``), or QAdamOptimizer (its default warm-up) for "qadam", which runs only with
+    it; a contender written ``algorithm@sgd:LR`` (or ``@adamw:LR``) trains with that optimizer and
     learning rate instead (demo's paper: ``demo:sign=True@sgd:1e-3``, signum)."""
     algorithm, _, inner = name.partition("@")
     if inner:
         kind, _, rate = inner.partition(":")
         if kind not in INNER:
             raise SystemExit(f"{name}: the optimizer after @ is one of {', '.join(INNER)}, got {kind!r}")
-        return INNER[kind](params, lr=float(rate) if rate else lr, weight_decay=weight_decay)
+        extra = {"betas": betas} if kind == "adamw" else {}
+        return INNER[kind](params, lr=float(rate) if rate else lr, weight_decay=weight_decay, **extra)
     if algorithm.partition(":")[0] == "qadam":
         return unison.QAdamOptimizer(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def schedule(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup: int):
@@ -95,7 +104,8 @@ def spread(model: torch.nn.Module) -> float:
 def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict:
     """Train from scratch with algorithm ``name`` (defaults); rank 0's validation loss after average()."""
     net = charlm.build(cfg["seed"], vocab_size, cfg["context"], cfg["d_model"], cfg["heads"], cfg["layers"])
-    optimizer = make_optimizer(name, net.parameters(), cfg["lr"], cfg["weight_decay"])
+    betas = tuple(cfg.get("betas", (0.9, 0.999)))
+    optimizer = make_optimizer(name, net.parameters(), cfg["lr"], cfg["weight_decay"], betas)  # type: ignore[arg-type]
     model = unison.DataParallel(net, optimizer=optimizer, algorithm=name.partition("@")[0])
     loader = unison.sharded_loader(train_set, batch_size=cfg["batch"], seed=cfg["seed"], drop_last=True)
     scheduler = schedule(optimizer, cfg["schedule"], cfg["epochs"] * len(loader), cfg["warmup"])
@@ -109,6 +119,8 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
             optimizer.zero_grad(set_to_none=True)
             loss = charlm.loss_fn(model(x), y)
             loss.backward()
+            if cfg.get("clip"):
+                torch.nn.utils.clip_grad_norm_(net.parameters(), cfg["clip"])
             optimizer.step()
             scheduler.step()
             total += loss.item()
@@ -144,10 +156,13 @@ def worker(names: list[str], cfg: dict) -> dict:
     val_set = charlm.CharDataset(val_ids, cfg["context"])
     results = {}
     for name in names:
-        results[name] = train_one(name, cfg, len(vocab), train_set, val_set)
-        if dist.get_rank() == 0:
-            r = results[name]
-            print(f"[charlm] {name}: val {r['val_loss']:.4f} in {r['seconds']:.1f} s", flush=True)
+        runs = []
+        for seed in cfg.get("seeds") or [cfg["seed"]]:
+            runs.append(train_one(name, {**cfg, "seed": seed}, len(vocab), train_set, val_set))
+            if dist.get_rank() == 0:
+                r = runs[-1]
+                print(f"[charlm] {name} (seed {seed}): val {r['val_loss']:.4f} in {r['seconds']:.1f} s", flush=True)
+        results[name] = over_seeds(runs) if cfg.get("seeds") else runs[0]
     info = {
         "characters": len(text),
         "vocab": len(vocab),
@@ -162,6 +177,17 @@ def worker(names: list[str], cfg: dict) -> dict:
     }
     unison.shutdown()
     return {"info": info, "results": results}
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """Each figure's mean over the seeds' ``runs``, the runs themselves, and the validation loss's spread."""
+    out: dict = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    losses = [r["val_loss"] for r in runs]
+    mean = out["val_loss"]
+    out["val_loss_std"] = (sum((v - mean) ** 2 for v in losses) / max(1, len(losses) - 1)) ** 0.5
+    out["val_loss_min"], out["val_loss_max"] = min(losses), max(losses)
+    out["runs"] = runs
+    return out
 
 
 def verdicts(results: dict) -> None:
@@ -180,15 +206,17 @@ def print_table(info: dict, cfg: dict, results: dict) -> None:
         f"char-level transformer ({info['params']:,} parameters), {info['characters']:,} characters of stdlib source, "
         f"{cfg['nodes'] * cfg['procs_per_node']} ranks as {cfg['nodes']} node(s), {cfg['epochs']} epochs x "
         f"{results['allreduce']['steps'] // cfg['epochs']} steps, AdamW lr {cfg['lr']} ({cfg['schedule']})"
+        + (f", seeds {cfg['seeds']} (means; +- one standard deviation)" if cfg.get("seeds") else "")
     )
     print(
-        f"{'algorithm':28} {'val loss':>9} {'/ allreduce':>12} {'train loss':>11} {'seconds':>8} {'ms/step':>8} {'bytes/step':>11}  target"
+        f"{'algorithm':28} {'val loss':>9} {'+-':>7} {'/ allreduce':>12} {'train loss':>11} {'seconds':>8} "
+        f"{'ms/step':>8} {'bytes/step':>11}  target"
     )
     for name, r in results.items():
         verdict = "-" if r["within_target"] is None else ("ok" if r["within_target"] else "MISSED")
         print(
-            f"{name:28} {r['val_loss']:>9.4f} {r['ratio']:>12.4f} {r['train_loss']:>11.4f} {r['seconds']:>8.1f} "
-            f"{r['ms_per_step']:>8.1f} {r['bytes_per_step']:>11,.0f}  {verdict}"
+            f"{name:28} {r['val_loss']:>9.4f} {r.get('val_loss_std', 0.0):>7.4f} {r['ratio']:>12.4f} "
+            f"{r['train_loss']:>11.4f} {r['seconds']:>8.1f} {r['ms_per_step']:>8.1f} {r['bytes_per_step']:>11,.0f}  {verdict}"
         )
 
 
@@ -218,6 +246,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--val-batches", type=int, default=16, help="validation windows = this x 64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", default="", help="comma-separated seeds: every contender once per seed, figures averaged over them"
+    )
+    parser.add_argument("--betas", default="0.9,0.999", help="AdamW's betas (SparseLoCo's paper: 0.9,0.95)")
+    parser.add_argument(
+        "--clip", type=float, default=0.0, help="clip the gradients' norm to this before a step (0: off)"
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "charlm.json"))
     args = parser.parse_args(argv)
     names = split_contenders(args.algorithms)
@@ -242,8 +277,11 @@ def main(argv=None) -> int:
             "procs_per_node",
             "val_batches",
             "seed",
+            "clip",
         )
     }
+    cfg["betas"] = [float(b) for b in args.betas.split(",")]
+    cfg["seeds"] = [int(v) for v in args.seeds.split(",") if v.strip()]
     start = time.perf_counter()
     out = launch(worker, args.nodes * args.procs_per_node, names, cfg)[0]
     wall = time.perf_counter() - start

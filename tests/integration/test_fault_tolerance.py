@@ -274,7 +274,7 @@ def redone(result: dict) -> tuple:
     return step, idle
 
 
-DEMO = "demo:chunk=4,topk=1,beta=0.5"
+DEMO = "demo:chunk=4,topk=1,beta=0.5,mean=world"
 
 
 @pytest.mark.parametrize(

@@ -245,10 +245,7 @@ def check_switch() -> dict:
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     model = unison.DataParallel(net, optimizer=opt)
     step = 0
-    for spec, steps in (
-        ("sparseloco:period=2,tile=16,density=0.1", 5),
-        ("sparseloco:period=4,fragments=2,delay=1", 6),
-    ):
+    for spec, steps in (("sparseloco:period=2,tile=16,density=0.1", 5), ("sparseloco:period=4,fragments=2,delay=1", 6)):
         for _ in range(2):
             out["losses"].append(train_step(model, opt, *batch(step % 4, rank)))
             step += 1

@@ -9,7 +9,7 @@ import torch
 
 from tests.unit.topk_reference import quantized_topk, tile_positions, tiled_message
 from unison.engine.tiled_topk import TiledTopK, index_bytes, pack_indices, unpack_indices
-from unison.engine.tiles import Tiles, TiledBuffer
+from unison.engine.tiles import TiledBuffer, Tiles
 from unison.engine.topk import TopK
 
 CPU = torch.device("cpu")
@@ -38,7 +38,15 @@ def test_each_chunk_holds_the_positions_the_reference_cuts():
         assert torch.equal(chunks, torch.stack(expected)), x.shape
     back = tiles.unpad(buffer.flat, [x.shape for x in xs])
     assert all(torch.equal(a, b) for a, b in zip(back, xs))
-    assert [(r.chunks, r.size) for r in tiles.runs] == [(6, 4096), (2, 3072), (1, 64), (2, 49), (1, 5), (1, 27), (97, 64)]
+    assert [(r.chunks, r.size) for r in tiles.runs] == [
+        (6, 4096),
+        (2, 3072),
+        (1, 64),
+        (2, 49),
+        (1, 5),
+        (1, 27),
+        (97, 64),
+    ]
     assert tiles.pad is not None and tiles.pad.tolist() == [tiles.runs[3].offset + 97]
 
 

@@ -66,7 +66,9 @@ def tile_positions(shape: tuple[int, ...], side: int) -> list[torch.Tensor]:
             out = []
             for i in range(rows // h):
                 for j in range(cols // w):
-                    out.append(torch.tensor([r * cols + c for r in range(i * h, i * h + h) for c in range(j * w, j * w + w)]))
+                    out.append(
+                        torch.tensor([r * cols + c for r in range(i * h, i * h + h) for c in range(j * w, j * w + w)])
+                    )
             return out
     size = divisor(n)
     if 2 * size < min(side, n):

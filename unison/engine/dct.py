@@ -117,6 +117,13 @@ class FullTopK:
         target.view(self.chunks, self.size).scatter_add_(1, indices.long(), values)
         return target
 
+    def count_add(self, message: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``counts += 1`` where ``message`` sends a nonzero value (``counts`` flat float32,
+        ``numel`` long): a chunk of zeros sends zeros at places its ties chose, which count for nothing."""
+        sent, indices = self.parts(message)
+        counts.view(self.chunks, self.size).scatter_add_(1, indices.long(), (sent != 0).float())
+        return counts
+
 
 Codec = Union[TopK, FullTopK]
 

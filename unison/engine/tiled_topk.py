@@ -19,7 +19,8 @@ then the codes bit-packed ``8 // bits`` to a byte, low bits first; each section 
 
 ``mean_into`` decodes many messages into a dense target: the plain mean over the ranks, or, as the
 references do, each coordinate's mean over the ranks that sent it (a sum and a count, added in
-rank order: the same bits on every rank).
+rank order: the same bits on every rank). A zero sent is not counted: a chunk of zeros sends
+zeros at whatever places its ties fell on, and they must not dilute the others' values there.
 
 See docs/algorithms.md#sparseloco.
 """
@@ -254,14 +255,14 @@ class TiledTopK:
                     grid.scatter_add_(1, w, values[entries].view(run.chunks, run.k) * (alpha / ranks))
                 continue
             per = max(1, min(run.chunks, self.block_numel // run.size))
-            ones = torch.ones(min(per, run.chunks), run.k, device=target.device)
             for c0 in range(0, run.chunks, per):
                 rows = grid[c0 : c0 + per]
                 total = self._block(0, rows.shape[0], run.size).zero_()
                 count = self._block(1, rows.shape[0], run.size).zero_()
                 for where, values in decoded:
                     w = where[entries].view(run.chunks, run.k)[c0 : c0 + per]
-                    total.scatter_add_(1, w, values[entries].view(run.chunks, run.k)[c0 : c0 + per])
-                    count.scatter_add_(1, w, ones[: w.shape[0]])
+                    v = values[entries].view(run.chunks, run.k)[c0 : c0 + per]
+                    total.scatter_add_(1, w, v)
+                    count.scatter_add_(1, w, (v != 0).float())  # a chunk of zeros sends zeros wherever its ties fell
                 rows.add_(total.div_(count.clamp_(min=1)), alpha=alpha)
         return target

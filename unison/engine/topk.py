@@ -210,6 +210,15 @@ class TopK:
         target.view(self.chunks, self.size).scatter_add_(1, indices.long(), values)
         return target
 
+    def count_add(self, message: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``counts += 1`` where ``message`` sends a nonzero value (``counts`` flat float32,
+        ``padded`` long): a chunk of zeros (scale 0) sends zeros at places its ties chose, which count for nothing."""
+        scales, indices, packed = self.parts(message)
+        codes = unpack(packed, self.bits)[: self.chunks * self.k].view(self.chunks, self.k)
+        sent = self.dequantize(codes, scales.float()) != 0
+        counts.view(self.chunks, self.size).scatter_add_(1, indices.long(), sent.float())
+        return counts
+
     def decode(self, message: torch.Tensor) -> torch.Tensor:
         """The dense values ``message`` carries: new float32, ``numel`` long."""
         out = torch.zeros(self.padded, dtype=torch.float32, device=message.device)

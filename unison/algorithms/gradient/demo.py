@@ -141,7 +141,18 @@ class Momenta:
 class DemoState(State):
     """The rank's momenta (rank-local: saved as ``feedback``), each bucket's codec and message buffers, and the shared work buffers."""
 
-    __slots__ = ("momenta", "keeps", "on_host", "codecs", "scratch", "target", "matrices", "levels", "node_parts")
+    __slots__ = (
+        "momenta",
+        "keeps",
+        "on_host",
+        "codecs",
+        "scratch",
+        "target",
+        "counts",
+        "matrices",
+        "levels",
+        "node_parts",
+    )
 
     def __init__(
         self, chunk: int, levels: Optional[TwoLevel] = None, keeps: bool = False, on_host: bool = False
@@ -158,6 +169,9 @@ class DemoState(State):
         # work buffers shared by the buckets (used one at a time, on the main thread)
         self.scratch: Optional[torch.Tensor] = None  # a block of rows (transforms, magnitudes): 256 KiB
         self.target: Optional[torch.Tensor] = None  # the decoded average: the largest bucket's padded length
+        # mean="senders": how many ranks sent each coefficient, as long as ``target`` (used by the flat
+        # rounds on the main thread or the node rounds on the levels' thread, never both)
+        self.counts: Optional[torch.Tensor] = None
         self.matrices: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the DCT and its transpose
 
     def close(self) -> None:
@@ -185,8 +199,11 @@ class Demo(Algorithm[DemoState]):
             (the last padded with zeros). The DCT is a ``chunk x chunk`` matrix product: cost
             grows with ``chunk``.
         topk: coefficients sent per chunk (at most ``chunk``).
-        sign: the optimizer sees the sign of the averaged direction (the paper's signum variant);
-            False: the direction itself.
+        sign: the optimizer sees the sign of the averaged direction (the paper's, with SGD: pair
+            it with ``torch.optim.SGD`` and a small lr); False: the direction itself.
+        mean: ``"senders"`` (the paper's code): each coefficient's mean over the ranks that sent
+            it; ``"world"``: the sum of the messages over the number of ranks (a coefficient one
+            rank of four sent moves a quarter as far).
         bits: None sends float32 values; 2, 4 or 8 quantizes them with one float32 scale per
             chunk (``engine.topk``).
         scale_dtype: with ``bits``, the dtype of each chunk's scale on the wire: ``"fp32"`` or
@@ -226,6 +243,7 @@ class Demo(Algorithm[DemoState]):
     chunk: int = 64
     topk: int = 4
     sign: bool = False
+    mean: Literal["senders", "world"] = "senders"
     bits: Optional[int] = None
     scale_dtype: Literal["fp32", "bf16"] = "fp32"
     hierarchical: bool = False
@@ -241,6 +259,7 @@ class Demo(Algorithm[DemoState]):
                 self.topk,
             )
         options.boolean("sign", self.sign)
+        options.choice("mean", self.mean, ("senders", "world"))
         if self.bits is not None:
             options.choice("bits", self.bits, BITS)
         options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
@@ -382,8 +401,8 @@ class Demo(Algorithm[DemoState]):
                 comm_wait(start(dist.all_gather, list(everyone.unbind(0)), message, group=levels.inter))
                 levels.inter_bytes += (levels.nodes - 1) * message.numel()
                 shard = work[first:last].zero_()
-                for received in everyone:  # in node order: the same bits on every node
-                    code.decode_add(received, shard, 1.0 / levels.nodes)
+                counts = self._counts(state, shard.numel(), shard.device)
+                self.mean_into(code, everyone, shard, counts)  # in node order: the same bits on every node
                 transform_(shard.view(-1, self.chunk), d, state.scratch)
                 if self.sign:
                     shard.sign_()
@@ -397,11 +416,33 @@ class Demo(Algorithm[DemoState]):
         scratch = self._scratch(state, device)
         if state.target is None or state.target.numel() < n:
             state.target = torch.empty(n, dtype=torch.float32, device=device)
+        self._counts(state, n, device)
         found = state.codecs.get(bucket.index)
         if found is None or found[0] != n or found[3].shape[0] != world:
             c = codec(n, self.chunk, self.topk, self.bits, device, scratch, self._scale)
             found = state.codecs[bucket.index] = (n, c, c.empty(), c.empty(world))
         return found
+
+    def _counts(self, state: DemoState, n: int, device: torch.device) -> Optional[torch.Tensor]:
+        """``mean="senders"``: the shared count buffer, grown to ``n`` values; else None."""
+        if self.mean != "senders":
+            return None
+        if state.counts is None or state.counts.numel() < n:
+            state.counts = torch.empty(n, dtype=torch.float32, device=device)
+        return state.counts
+
+    def mean_into(self, code: Codec, messages: torch.Tensor, out: torch.Tensor, counts: Optional[torch.Tensor]) -> None:
+        """``out`` (zeros) takes the mean of the ``messages`` (in rank order: the same bits on every
+        rank): each coefficient's over the ranks that sent it (``counts``), or over all of them."""
+        if counts is None:
+            for message in messages:
+                code.decode_add(message, out, 1.0 / messages.shape[0])
+            return
+        counts = counts[: out.numel()].zero_()
+        for message in messages:
+            code.decode_add(message, out)
+            code.count_add(message, counts)
+        out.div_(counts.clamp_(min=1))
 
     def _scratch(self, state: DemoState, device: torch.device) -> torch.Tensor:
         """The block of rows the transforms and the codecs' magnitudes share (256 KiB)."""
@@ -422,8 +463,7 @@ class Demo(Algorithm[DemoState]):
         target = state.target[: entry.flat.numel()]
         with torch.no_grad():
             target.zero_()
-            for message in everyone:
-                code.decode_add(message, target, 1.0 / everyone.shape[0])
+            self.mean_into(code, everyone, target, state.counts if self.mean == "senders" else None)
             transform_(target.view(-1, self.chunk), state.matrices[0], state.scratch)
             if self.sign:
                 target.sign_()
