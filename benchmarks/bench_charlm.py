@@ -110,6 +110,7 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
     loader = unison.sharded_loader(train_set, batch_size=cfg["batch"], seed=cfg["seed"], drop_last=True)
     scheduler = schedule(optimizer, cfg["schedule"], cfg["epochs"] * len(loader), cfg["warmup"])
     steps, epoch_loss = 0, float("nan")
+    curve: list[list[float]] = []
     dist.barrier()
     start = time.perf_counter()
     for epoch in range(cfg["epochs"]):
@@ -128,6 +129,8 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
             steps += 1
         epoch_loss = total / max(count, 1)
         model.end_epoch(epoch_loss)
+        if cfg.get("curve") and dist.get_rank() == 0:  # rank 0's replica (between syncs, not the average)
+            curve.append([steps, charlm.validation_loss(net, val_set, cfg["val_batches"])])
     sent = model.comm_stats["bytes_total"] / max(
         steps, 1
     )  # per step of this loop (nonblocking's comm_stats counts its per-layer updates as steps)
@@ -142,6 +145,8 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
         "bytes_per_step": sent,
         "spread_after_average": spread(net),
     }
+    if cfg.get("curve"):
+        result["curve"] = curve
     model.switch_to("allreduce")  # stops background threads (async) before the next run
     return result
 
@@ -181,7 +186,7 @@ def worker(names: list[str], cfg: dict) -> dict:
 
 def over_seeds(runs: list[dict]) -> dict:
     """Each figure's mean over the seeds' ``runs``, the runs themselves, and the validation loss's spread."""
-    out: dict = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    out: dict = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k != "curve"}
     losses = [r["val_loss"] for r in runs]
     mean = out["val_loss"]
     out["val_loss_std"] = (sum((v - mean) ** 2 for v in losses) / max(1, len(losses) - 1)) ** 0.5
@@ -251,6 +256,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--betas", default="0.9,0.999", help="AdamW's betas (SparseLoCo's paper: 0.9,0.95)")
     parser.add_argument(
+        "--curve", action="store_true", help="record rank 0's validation loss after every epoch (curve: [step, loss])"
+    )
+    parser.add_argument(
         "--clip", type=float, default=0.0, help="clip the gradients' norm to this before a step (0: off)"
     )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "charlm.json"))
@@ -278,6 +286,7 @@ def main(argv=None) -> int:
             "val_batches",
             "seed",
             "clip",
+            "curve",
         )
     }
     cfg["betas"] = [float(b) for b in args.betas.split(",")]

@@ -20,15 +20,14 @@ from unison.engine.dct import message_bytes
 from unison.engine.topk import SCALE_DTYPES
 
 LR = 0.05
-# (options, steps): float32 values, chunks of 64, the default topk, the mean over all ranks; 4-bit values
-# in chunks of 32 with the signum variant; 8-bit values, one coefficient per chunk of 16, no momentum decay
-# to speak of, the mean over all ranks; 2-bit values with bfloat16 scales (the low-bandwidth setting
-# docs/algorithms.md recommends). The others take each coefficient's mean over the ranks that sent it.
+# (options, steps): float32 values (the paper's) without the sign, chunks of 64, the mean over all ranks;
+# 4-bit values with float32 scales in chunks of 32; 8-bit values, one coefficient per chunk of 16, no
+# momentum decay to speak of, the mean over all ranks; the defaults.
 CASES = [
-    ({"beta": 0.9, "chunk": 64, "topk": 4, "mean": "world"}, 4),
-    ({"beta": 0.5, "chunk": 32, "topk": 3, "bits": 4, "sign": True}, 3),
-    ({"beta": 0.999, "chunk": 16, "topk": 1, "bits": 8, "mean": "world"}, 3),
-    ({"beta": 0.9, "chunk": 64, "topk": 2, "bits": 2, "sign": True, "scale_dtype": "bf16"}, 3),
+    ({"beta": 0.9, "chunk": 64, "topk": 4, "mean": "world", "bits": 32, "sign": False}, 4),
+    ({"beta": 0.5, "chunk": 32, "topk": 3, "bits": 4, "scale_dtype": "fp32"}, 3),
+    ({"beta": 0.999, "chunk": 16, "topk": 1, "bits": 8, "mean": "world", "sign": False}, 3),
+    ({}, 3),  # the defaults: 2-bit values, bfloat16 scales, the sign, the mean over senders
 ]
 
 
@@ -77,6 +76,19 @@ def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False, 
     return directions
 
 
+def spelled_out(algo) -> dict:
+    """Every option ``reference_step`` takes, as ``algo`` (a Demo) holds it: its defaults included."""
+    return {
+        "beta": algo.beta,
+        "chunk": algo.chunk,
+        "topk": algo.topk,
+        "bits": algo.value_bits,
+        "sign": algo.sign,
+        "scale_dtype": algo.scale_dtype or "bf16",
+        "mean": algo.mean,
+    }
+
+
 def train_step(model, opt, x, y) -> float:
     opt.zero_grad()
     loss = F.mse_loss(model(x), y)
@@ -98,7 +110,9 @@ def check_against_reference() -> list[dict]:
         net, ref = MLP(), MLP()
         ref.load_state_dict(net.state_dict())
         opt = torch.optim.SGD(net.parameters(), lr=LR)
-        model = unison.DataParallel(net, optimizer=opt, algorithm=unison.algorithms.create("demo", **options))
+        algo = unison.algorithms.create("demo", **options)
+        model = unison.DataParallel(net, optimizer=opt, algorithm=algo)
+        options = spelled_out(algo)
         params = list(ref.parameters())
         momenta = [[torch.zeros_like(p) for p in params] for _ in range(world)]
         gaps, momentum_gaps, spreads, bytes_, expected = [], [], [], [], []
@@ -119,7 +133,7 @@ def check_against_reference() -> list[dict]:
             momentum_gaps.append(max((saved[n] - m).abs().max().item() for n, m in zip(names, momenta[rank])))
             spreads.append(spread_across_ranks(net))
             bytes_.append(model.comm_stats["bytes_last_step"])
-            chunk, scale = options["chunk"], SCALE_DTYPES[options.get("scale_dtype", "fp32")]
+            chunk, scale = options["chunk"], SCALE_DTYPES[options["scale_dtype"]]
             padded = [sum(math.ceil(v.numel() / chunk) * chunk for v in b.views) for b in model._core.reducer.buckets]
             expected.append(
                 sum((world - 1) * message_bytes(n, chunk, options["topk"], options.get("bits"), scale) for n in padded)
@@ -246,6 +260,7 @@ def check_hierarchical() -> list[dict]:
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         algo = unison.algorithms.create("demo", hierarchical=True, **options)
         model = unison.DataParallel(net, optimizer=opt, algorithm=algo)
+        options = spelled_out(algo)
         params = list(ref.parameters())
         momenta = [[torch.zeros_like(p) for p in params] for _ in range(nodes)]
         gaps, spreads, bytes_, cross = [], [], [], []
@@ -273,7 +288,7 @@ def check_hierarchical() -> list[dict]:
         for b in model._core.reducer.buckets:
             padded = sum(math.ceil(v.numel() / chunk) * chunk for v in b.views)
             flat_bytes += (dist.get_world_size() - 1) * message_bytes(
-                padded, chunk, options["topk"], options.get("bits")
+                padded, chunk, options["topk"], options["bits"], SCALE_DTYPES[options["scale_dtype"]]
             )
         out.append({"gaps": gaps, "spreads": spreads, "bytes": bytes_, "cross": cross, "flat_bytes": flat_bytes})
         assert levels is not None

@@ -199,28 +199,31 @@ class Demo(Algorithm[DemoState]):
             (the last padded with zeros). The DCT is a ``chunk x chunk`` matrix product: cost
             grows with ``chunk``.
         topk: coefficients sent per chunk (at most ``chunk``).
-        sign: the optimizer sees the sign of the averaged direction (the paper's, with SGD: pair
-            it with ``torch.optim.SGD`` and a small lr); False: the direction itself.
+        sign: the optimizer sees the sign of the averaged direction (the paper's signum: pair it
+            with ``torch.optim.SGD``, as the paper does); False: the direction itself.
         mean: ``"senders"`` (the paper's code): each coefficient's mean over the ranks that sent
             it; ``"world"``: the sum of the messages over the number of ranks (a coefficient one
             rank of four sent moves a quarter as far).
-        bits: None sends float32 values; 2, 4 or 8 quantizes them with one float32 scale per
-            chunk (``engine.topk``).
-        scale_dtype: with ``bits``, the dtype of each chunk's scale on the wire: ``"fp32"`` or
-            ``"bf16"`` (2 bytes instead of 4: with ``chunk=64,topk=2,bits=2`` a chunk sends 4.5
-            bytes instead of 6.5).
+        bits: 2, 4 or 8 quantizes the values sent with one scale per chunk (``engine.topk``);
+            32 (or None) sends them as float32, as the paper does.
+        scale_dtype: with 2, 4 or 8 ``bits``, the dtype of each chunk's scale on the wire:
+            ``"bf16"`` (the default) or ``"fp32"`` (4 bytes instead of 2: with
+            ``chunk=64,topk=2,bits=2`` a chunk sends 6.5 bytes instead of 4.5).
         hierarchical: the node sums the gradients at full precision; each local rank keeps the
             momentum of its shard (whole chunks) of the node's mean and all-gathers its message
             with the same local rank of the other nodes; the node gathers the direction.
 
-    A message is ``topk`` float32 values and uint8 indices per chunk (``bits=None``, chunk up to
-    256): ``5 topk / (4 chunk)`` of the fp32 gradient's bytes (7.8% at the defaults); every rank
-    sends it to every other (all-gather), so against a ring allreduce's ``2 (W-1)/W`` copies it
-    is ``W/2`` times that ratio. Tuning: lower ``topk/chunk`` (the paper's 2-D chunks of 64x64
-    send 4 to 32 of 4096) and ``bits`` cut the bytes; ``sign=True`` pairs with a small lr.
+    A message is, per chunk, ``topk`` uint8 indices (chunk up to 256), their ``bits``-bit codes and
+    a scale: 4.5 bytes per 64 values at the defaults, 1.8% of the fp32 gradient's bytes (with
+    float32 values, ``5 topk / (4 chunk)``); every rank sends it to every other (all-gather), so
+    against a ring allreduce's ``2 (W-1)/W`` copies it is ``W/2`` times that ratio: 1/28 of
+    allreduce's bytes on 4 ranks. The defaults are the paper's algorithm (sign, SGD, the mean
+    over senders) with values in 2 bits instead of its float32: on charlm (4 ranks, 20 epochs)
+    1.7% above allreduce's validation loss (docs/benchmarks.md).
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
-    ``0.08 (W + 1)`` P at the defaults); one bucket-sized decode buffer; hierarchical, a float32
+    ``0.02 (W + 1)`` P at the defaults); one bucket-sized decode buffer and, with
+    ``mean="senders"``, one bucket-sized count buffer; hierarchical, a float32
     buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True`` nothing more
     than the saved gradients every gradient algorithm keeps (+1 P), rewritten so that an
     interrupted round done again from them folds what it folded; hierarchical, a copy of each
@@ -228,8 +231,8 @@ class Demo(Algorithm[DemoState]):
 
     Example::
 
-        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-        model = unison.DataParallel(net, optimizer=opt, algorithm="demo:topk=2,sign=True")
+        opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+        model = unison.DataParallel(net, optimizer=opt, algorithm="demo")
     """
 
     name = "demo"
@@ -241,11 +244,11 @@ class Demo(Algorithm[DemoState]):
     recovery = Recovery(rank_local=("feedback",))
     beta: float = 0.999
     chunk: int = 64
-    topk: int = 4
-    sign: bool = False
+    topk: int = 2
+    sign: bool = True
     mean: Literal["senders", "world"] = "senders"
-    bits: Optional[int] = None
-    scale_dtype: Literal["fp32", "bf16"] = "fp32"
+    bits: Optional[int] = 2
+    scale_dtype: Optional[Literal["fp32", "bf16"]] = None  # bf16 for quantized values
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
@@ -261,21 +264,27 @@ class Demo(Algorithm[DemoState]):
         options.boolean("sign", self.sign)
         options.choice("mean", self.mean, ("senders", "world"))
         if self.bits is not None:
-            options.choice("bits", self.bits, BITS)
-        options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
-        if self.bits is None and self.scale_dtype != "fp32":
-            raise options.OptionError(
-                "scale_dtype",
-                "'fp32' when bits is None (float32 values carry no scale); set bits=2, 4 or 8",
-                self.scale_dtype,
-            )
+            options.choice("bits", self.bits, (*BITS, 32))
+        if self.scale_dtype is not None:
+            options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+            if self.value_bits is None:
+                raise options.OptionError(
+                    "scale_dtype",
+                    "unset when bits is 32 (float32 values carry no scale); set bits=2, 4 or 8",
+                    self.scale_dtype,
+                )
         options.boolean("hierarchical", self.hierarchical)
         super().__post_init__()
 
     @property
+    def value_bits(self) -> Optional[int]:
+        """The bits of a value sent: 2, 4 or 8, or None for float32 (``bits`` 32 or None)."""
+        return None if self.bits in (None, 32) else self.bits
+
+    @property
     def _scale(self) -> torch.dtype:
-        """The torch dtype ``scale_dtype`` names."""
-        return SCALE_DTYPES[self.scale_dtype]
+        """The torch dtype of the scales: ``scale_dtype``'s, bfloat16 unless it says."""
+        return SCALE_DTYPES[self.scale_dtype or "bf16"]
 
     def setup(self, replica: Replica) -> DemoState:
         self.check_optimizers(replica)
@@ -353,10 +362,10 @@ class Demo(Algorithm[DemoState]):
             bounds = shard_bounds(padded, self.chunk, levels.local_size)
             shard = levels.shard_numel(padded, bounds)
             cross = (
-                (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.bits, self._scale) if shard else 0
+                (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.value_bits, self._scale) if shard else 0
             )
             return 2 * levels.leg_bytes(padded, 4, bounds) + cross
-        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.bits, self._scale)
+        return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.value_bits, self._scale)
 
     def _reduce_nodes(self, state: DemoState, bucket: Bucket, entry: Entry) -> Waitable:
         """Hierarchical: the bucket's gradients into its node buffer (in the momentum's layout), the
@@ -419,7 +428,7 @@ class Demo(Algorithm[DemoState]):
         self._counts(state, n, device)
         found = state.codecs.get(bucket.index)
         if found is None or found[0] != n or found[3].shape[0] != world:
-            c = codec(n, self.chunk, self.topk, self.bits, device, scratch, self._scale)
+            c = codec(n, self.chunk, self.topk, self.value_bits, device, scratch, self._scale)
             found = state.codecs[bucket.index] = (n, c, c.empty(), c.empty(world))
         return found
 
@@ -491,7 +500,7 @@ class NodePart:
         self.mine: Optional[torch.Tensor] = None
         self.everyone: Optional[torch.Tensor] = None
         if end > start:
-            self.codec = codec(end - start, algo.chunk, algo.topk, algo.bits, device, scratch, algo._scale)
+            self.codec = codec(end - start, algo.chunk, algo.topk, algo.value_bits, device, scratch, algo._scale)
             self.mine, self.everyone = self.codec.empty(), self.codec.empty(levels.nodes)
         self.work = torch.zeros(numel, dtype=torch.float32, device=device)
 
