@@ -6,7 +6,7 @@ back), bytegrad's 8-bit min-max encode and decode (``MinMax8``, one row per
 rank of a 2-rank group), and PowerSGD rank-4 compress (P = M Q, orthogonalize,
 Q = M^T P) and decompress with error feedback (M - P Q^T kept, P Q^T written)
 on the MLP's matrices, and the low-bandwidth codecs at their defaults: sparseloco's
-chunk-wise top-k with 2-bit values (``engine.topk.TopK``: encode with error feedback,
+tile-wise top-k with 2-bit binned values (``engine.tiled_topk.TiledTopK``: encode with error feedback,
 one message's decode-add) and demo's per-bucket work (the momentum, the DCT per chunk,
 the top-k, the inverse DCT of what is kept; a decode: one message added; the inverse DCT of the average).
 Throughput is float32 gradient bytes per second (the input of an
@@ -43,7 +43,8 @@ import unison
 from unison.algorithms.gradient import powersgd
 from unison.engine import dct
 from unison.engine.codecs import LowRank, MinMax8
-from unison.engine.topk import TopK
+from unison.engine.tiled_topk import TiledTopK
+from unison.engine.tiles import TiledBuffer, Tiles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_JSON = os.path.join(HERE, "results", "codecs.json")
@@ -102,17 +103,21 @@ def powersgd_cases(mats: list[torch.Tensor], rank: int) -> dict:
 
 
 def sparseloco_cases(flat: torch.Tensor) -> dict:
-    """sparseloco's codec at its defaults: top-k of each chunk with 2-bit values, from an error
-    feedback that keeps the rest (encode), and one rank's message added into the global weights (decode)."""
+    """sparseloco's codec at its defaults: top-k of each 64 x 64 tile (the values seen as a matrix
+    of 4096 columns) with 2-bit binned values, from an error feedback that keeps the rest
+    (encode), and one rank's message averaged into the global weights (decode)."""
     algo = unison.algorithms.create("sparseloco")
-    codec = TopK(flat.numel(), algo.chunk, algo.density, algo.topk, algo.bits)
-    error = torch.zeros(codec.padded)
-    error[: flat.numel()].copy_(flat)
-    target = torch.zeros(codec.padded)
-    message = codec.encode(error.clone(), codec.empty())
+    rows = max(1, flat.numel() // 4096)
+    values = flat[: rows * 4096] if flat.numel() >= 4096 else flat
+    shape = torch.Size([rows, 4096]) if flat.numel() >= 4096 else values.shape
+    tiles = Tiles([shape], algo.layout, algo.size, algo.density, algo.topk)
+    codec = TiledTopK(tiles.runs, algo.bits, algo.quantizer)
+    error, target = TiledBuffer(tiles, flat.device), torch.zeros(tiles.numel)
+    error.load([values.view(shape)])
+    message = codec.encode(error.flat.clone(), codec.empty())
     return {
-        "sparseloco encode": (lambda: codec.encode(error, message), flat.numel()),
-        "sparseloco decode": (lambda: codec.decode_add(message, target, 0.25), flat.numel()),
+        "sparseloco encode": (lambda: codec.encode(error.flat, message), values.numel()),
+        "sparseloco decode": (lambda: codec.mean_into(message[None], target, -1.0), values.numel()),
     }
 
 
@@ -128,7 +133,7 @@ def demo_cases(flat: torch.Tensor) -> dict:
     d = dct.dct_matrix(algo.chunk)
     dt = d.t().contiguous()
     scratch = torch.empty(1 << 16)
-    codec = dct.codec(n, algo.chunk, algo.topk, algo.bits, torch.device("cpu"), scratch)
+    codec = dct.codec(n, algo.chunk, algo.topk, algo.value_bits, torch.device("cpu"), scratch, algo._scale)
     message = codec.empty()
 
     def encode() -> None:

@@ -10,11 +10,13 @@ docs/benchmarks.md), from what was measured only:
   ``N - 1`` times its message; per parameter, so that it carries to a model of ``P`` parameters;
 - its syncs a step (1, or ``1 / period``), each costing the collective's latency hops
   (``2 (N - 1)`` for a ring all-reduce, ``N - 1`` for an all-gather);
-- the compute of a step, on this machine (``--cpu-ms``: measured, see below) and on a GPU
-  (``--gpu-ms`` for a model of ``--gpu-params``: REFERENCE.md's GPT-2 small on an H200, 26-31 ms).
+- the compute of a step, on this machine (measured here: charlm small's forward, backward and
+  AdamW on one thread, batch 32 x 64, ``bench_codecs.charlm_step_seconds``; or ``--cpu-ms``) and
+  on a GPU (``--gpu-ms`` for a model of ``--gpu-params``: REFERENCE.md's GPT-2 small on an H200,
+  26-31 ms: 28).
 
 A step takes ``compute + bytes * 8 / bandwidth + syncs * hops * latency`` (the syncs block; torch
-DDP's and allreduce's all-reduce overlaps backward, so theirs take ``max(compute, comm)``), and
+DDP's, allreduce's and demo's collectives overlap backward, so theirs take ``max(compute, comm)``), and
 the time to target is the steps to target times that. The steps to target are those measured
 on the runs' ranks (4 on 2 x 2) for every ``N``: how they change with ``N`` is not measured here.
 
@@ -24,7 +26,7 @@ one process): each contender's predicted time to target there (its own steps to 
 the compute the loopback run measured plus its bytes over the link) against the measured one.
 
     python benchmarks/time_to_target.py benchmarks/results/frontier_small_*.json --target 1.6 \\
-        --cpu-ms 40 --json benchmarks/results/time_to_target.json --plot benchmarks/results/time_to_target.png
+        --json benchmarks/results/time_to_target.json --plot benchmarks/results/time_to_target.png
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ BANDWIDTHS = {"10 Mbit/s": 1e7, "100 Mbit/s": 1e8, "1 Gbit/s": 1e9, "10 Gbit/s":
 #: The collective each family sends with; every other step-synchronous algorithm is refused.
 GATHER = {"sparseloco", "demo"}
 RING = {"allreduce", "ddp", "diloco", "local_sgd"}
-OVERLAPPED = {"allreduce", "ddp"}
+#: Whose collectives overlap backward (bucket by bucket): a step takes the longer of compute and comm.
+OVERLAPPED = {"allreduce", "ddp", "demo"}
 
 
 def family(spec: str) -> str:
@@ -162,10 +165,19 @@ def print_table(title: str, predicted: dict, baseline: Optional[str]) -> None:
             print(f"| {spec} | " + " | ".join(cells) + " |")
 
 
-def validate(emulated_path: str, loopback_path: str) -> list[dict]:
+def reached_at(curve: list[list[float]], target: float) -> tuple[Optional[float], Optional[int]]:
+    """``(training seconds, step)`` of the first evaluation of a ``unison bench`` curve
+    (``[seconds, step, loss]``) at or below ``target``; ``(None, None)`` if none is."""
+    for seconds, step, loss in curve:
+        if loss <= target:
+            return seconds, int(step)
+    return None, None
+
+
+def validate(emulated_path: str, loopback_path: str, target: Optional[float] = None) -> list[dict]:
     """Predicted against measured time to target of an emulated ``unison bench`` run: its own
-    steps to target times (the loopback run's step time, compute and little else, plus its bytes
-    over the emulated link)."""
+    steps to target (to ``target``, else the run's) times the loopback run's step time (compute
+    and little else) plus its bytes over the emulated link."""
     with open(emulated_path) as f:
         emulated = json.load(f)
     with open(loopback_path) as f:
@@ -176,6 +188,8 @@ def validate(emulated_path: str, loopback_path: str) -> list[dict]:
     out = []
     for c in emulated["contenders"]:
         measured, steps = c.get("time_to_target_s"), c.get("steps_to_target")
+        if target is not None:
+            measured, steps = reached_at(c["curve"], target)
         base = loopback.get(c["spec"])
         if measured is None or steps is None or base is None:
             continue
@@ -222,19 +236,25 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="*", help="bench_charlm.py JSON files (with --curve)")
     parser.add_argument("--target", type=float, help="the validation loss to reach")
     parser.add_argument("--baseline", default="allreduce", help="the contender the speed-ups are against")
-    parser.add_argument("--cpu-ms", type=float, help="compute of one step on this machine, ms (measured)")
+    parser.add_argument("--cpu-ms", type=float, help="compute of one step on this machine, ms (default: measured)")
     parser.add_argument("--gpu-ms", type=float, default=28.0, help="compute of one step on the GPU, ms")
     parser.add_argument("--gpu-params", type=float, default=124e6, help="parameters of the GPU's model")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one hop's latency, ms")
     parser.add_argument("--validate", help="an emulated-network unison bench JSON to check the step model against")
     parser.add_argument("--compute-run", help="with --validate: the same contenders' unison bench JSON on loopback")
+    parser.add_argument("--validate-target", type=float, help="with --validate: this loss instead of the run's target")
     parser.add_argument("--json", help="write the predictions (and the validation) here")
     parser.add_argument("--plot", help="draw seconds to target against bandwidth here (PNG)")
     args = parser.parse_args(argv)
     out: dict = {}
     if args.runs:
-        if args.target is None or args.cpu_ms is None:
-            raise SystemExit("give --target and --cpu-ms with the runs")
+        if args.target is None:
+            raise SystemExit("give --target with the runs")
+        if args.cpu_ms is None:
+            from bench_codecs import charlm_step_seconds
+
+            args.cpu_ms = 1000 * charlm_step_seconds("small", 20)[0]
+        out["cpu_ms"] = args.cpu_ms
         cs = contenders(args.runs)
         with open(args.runs[0]) as f:
             params = json.load(f)["info"]["params"]
@@ -257,7 +277,7 @@ def main(argv=None) -> int:
     if args.validate:
         if not args.compute_run:
             raise SystemExit("--validate needs --compute-run (the same contenders on loopback)")
-        checks = validate(args.validate, args.compute_run)
+        checks = validate(args.validate, args.compute_run, args.validate_target)
         print("\nstep model against the emulated run:")
         for c in checks:
             print(

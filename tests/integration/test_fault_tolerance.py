@@ -274,7 +274,7 @@ def redone(result: dict) -> tuple:
     return step, idle
 
 
-DEMO = "demo:chunk=4,topk=1,beta=0.5,mean=world"
+DEMO = "demo:chunk=4,topk=1,beta=0.5,mean=world,sign=false,bits=32"
 
 
 @pytest.mark.parametrize(

@@ -78,11 +78,12 @@ BUDGET = {
     # abandons starts again from it).
     "sparseloco:period=4": 2.12,
     "sparseloco:period=8,fragments=4,delay=1": 2.37,
-    # demo: its momentum (1 P, float32), each bucket's messages (its own and every rank's: 3 of 7.8% of
-    # the bucket at 4 float32 values and uint8 indices per 64, 0.23 P; 2-bit values, 2 per 64: 0.08 P),
-    # the decoded average (one bucket, 0.06 P here) and the block shared by transforms and codecs (256 KiB).
-    "demo": 1.37,
-    "demo:bits=2,topk=2": 1.22,
+    # demo: its momentum (1 P, float32), each bucket's messages (its own and every rank's: 3 of 1.8% of the
+    # bucket at the defaults, 2 of each 64 coefficients in 2 bits with a bfloat16 scale, 0.05 P; float32
+    # values, 4 per 64 with uint8 indices: 7.8%, 0.23 P), the decoded average and the count of its senders
+    # (a bucket each, 0.06 P here) and the block shared by transforms and codecs (256 KiB).
+    "demo": 1.26,
+    "demo:bits=32,topk=4": 1.43,
 }
 
 

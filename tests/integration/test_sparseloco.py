@@ -4,6 +4,8 @@ unison.save/load (between syncs and with a sync in flight), switch_to in and out
 
 from __future__ import annotations
 
+import math
+
 import launch
 import pytest
 import torch
@@ -13,7 +15,7 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from tests.unit.topk_reference import quantized_topk, sparseloco_sync, sparseloco_tiled_sync
+from tests.unit.topk_reference import binned, quantized_topk, sparseloco_sync, sparseloco_tiled_sync, tile_positions
 
 # (options, steps): 2-bit values with uint8 indices (chunks of 248) and decay; 4-bit with int16
 # indices (chunks of 866), a fixed k and beta = 1; 8-bit, one chunk, a period of 1.
@@ -350,6 +352,85 @@ def test_hierarchical_sums_in_the_node_and_sends_only_the_sparse_form_across():
         assert r["cross"] == r["expected_cross"] > 0
         assert r["bytes"] == r["expected_bytes"]
         assert r["cross"] < r["flat_bytes"] / 4  # across nodes: one shard's message per node, not every rank's
+
+
+HIERARCHICAL_TILED = {"period": 2, "tile": 16, "density": 0.1, "bits": 2, "beta": 0.9, "outer_lr": 0.8}
+
+
+def check_hierarchical_tiled() -> dict:
+    """The references' form on 2 x 2 against the two-level update written plainly: the layout's
+    chunks (``tile_positions`` of each tensor, in order) cut between the local ranks where the
+    algorithm cuts them; each node's mean pseudo-gradient folded into its error feedback of each
+    shard, each chunk's top-k, binned together per tensor's piece of the shard, and each
+    coordinate averaged over the nodes that sent it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = unison.topology()
+    nodes, local = topo.num_nodes, topo.local_world_size
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    inner: list = []
+    opt.register_step_post_hook(lambda o, _a, _k: inner.append(flat(net)))
+    glob = flat(net)
+    model = unison.DataParallel(
+        net, optimizer=opt, algorithm=unison.algorithms.create("sparseloco", hierarchical=True, **HIERARCHICAL_TILED)
+    )
+    state = model.algorithm_state
+    shapes = [p.shape for p in net.parameters()]
+    starts = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    chunks = []  # (tensor, positions in the flat weights, -1 for padding), in the layout's order
+    for t, shape in enumerate(shapes):
+        for positions in tile_positions(tuple(shape), HIERARCHICAL_TILED["tile"]):
+            chunks.append((t, torch.where(positions >= 0, positions + starts[t], -1)))
+    edges = [0]
+    for _, positions in chunks:
+        edges.append(edges[-1] + len(positions))
+    cuts = [edges.index(b) for b in state.node_parts[0].bounds]  # the shards, in chunks
+    errors = {(n, c): torch.zeros(len(chunks[c][1])) for n in range(nodes) for c in range(len(chunks))}
+    gaps, spreads = [], []
+    for s in range(6):
+        train_step(model, opt, *batch(s, rank))
+        spreads.append(spread_across_ranks(net))
+        if (s + 1) % HIERARCHICAL_TILED["period"]:
+            continue
+        weights = [torch.empty_like(glob) for _ in range(world)]
+        dist.all_gather(weights, inner[-1])
+        total, count = torch.zeros_like(glob), torch.zeros_like(glob)
+        for n in range(nodes):
+            delta = torch.stack([glob - weights[n * local + i] for i in range(local)]).mean(0)
+            for j in range(local):
+                picked: dict = {}  # tensor -> [(chunk, place in chunk, value)]
+                for c in range(cuts[j], cuts[j + 1]):
+                    t, positions = chunks[c]
+                    e = errors[(n, c)]
+                    e.mul_(HIERARCHICAL_TILED["beta"]).add_(
+                        torch.where(positions >= 0, delta[positions.clamp(min=0)], 0.0)
+                    )
+                    k = min(len(e), max(1, round(HIERARCHICAL_TILED["density"] * len(e))))
+                    for i in torch.argsort(e.abs(), descending=True)[:k].tolist():
+                        picked.setdefault(t, []).append((c, i, e[i].clone()))
+                for entries in picked.values():
+                    decoded = binned(torch.stack([v for _, _, v in entries]), HIERARCHICAL_TILED["bits"])
+                    for (c, i, _), v in zip(entries, decoded):
+                        where = int(chunks[c][1][i])
+                        if where >= 0:  # padding sent stays out of the error feedback
+                            errors[(n, c)][i] -= v
+                        if where >= 0 and v != 0:
+                            total[where] += v
+                            count[where] += 1
+        glob = glob - HIERARCHICAL_TILED["outer_lr"] * total / count.clamp(min=1)
+        gaps.append((flat(net) - glob).abs().max().item())
+    part = state.node_parts[0]
+    out = {"gaps": gaps, "spreads": spreads, "cross": state.levels.inter_bytes, "message": part.codec.nbytes}
+    model.close()
+    return out
+
+
+def test_hierarchical_references_form_is_the_two_level_update_written_plainly():
+    for r in launch.run(check_hierarchical_tiled, 4, env=NODES, timeout=120):
+        assert len(r["gaps"]) == 3 and max(r["gaps"]) < 1e-5, r["gaps"]
+        assert [s for i, s in enumerate(r["spreads"], 1) if i % 2 == 0] == [0.0, 0.0, 0.0]
+        assert r["cross"] == 3 * r["message"] > 0  # 3 syncs, one message to the one other node
 
 
 def one_node() -> bool:

@@ -38,7 +38,7 @@ OPTIONS = {
     "local_sgd": "local_sgd:period=5",
     "low_precision_decentralized": "low_precision_decentralized:communication_interval=3",
     "powersgd": "powersgd:rank=1,start_iter=2",
-    "sparseloco": "sparseloco:period=5,chunk=256",
+    "sparseloco": "sparseloco:period=5,tile=16",
 }
 RESUMED = (
     "allreduce",

@@ -205,7 +205,7 @@ class Demo(Algorithm[DemoState]):
             it; ``"world"``: the sum of the messages over the number of ranks (a coefficient one
             rank of four sent moves a quarter as far).
         bits: 2, 4 or 8 quantizes the values sent with one scale per chunk (``engine.topk``);
-            32 (or None) sends them as float32, as the paper does.
+            32 sends them as float32, as the paper does.
         scale_dtype: with 2, 4 or 8 ``bits``, the dtype of each chunk's scale on the wire:
             ``"bf16"`` (the default) or ``"fp32"`` (4 bytes instead of 2: with
             ``chunk=64,topk=2,bits=2`` a chunk sends 6.5 bytes instead of 4.5).
@@ -247,7 +247,7 @@ class Demo(Algorithm[DemoState]):
     topk: int = 2
     sign: bool = True
     mean: Literal["senders", "world"] = "senders"
-    bits: Optional[int] = 2
+    bits: int = 2
     scale_dtype: Optional[Literal["fp32", "bf16"]] = None  # bf16 for quantized values
     hierarchical: bool = False
 
@@ -263,8 +263,7 @@ class Demo(Algorithm[DemoState]):
             )
         options.boolean("sign", self.sign)
         options.choice("mean", self.mean, ("senders", "world"))
-        if self.bits is not None:
-            options.choice("bits", self.bits, (*BITS, 32))
+        options.choice("bits", self.bits, (*BITS, 32))
         if self.scale_dtype is not None:
             options.choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
             if self.value_bits is None:
@@ -278,8 +277,8 @@ class Demo(Algorithm[DemoState]):
 
     @property
     def value_bits(self) -> Optional[int]:
-        """The bits of a value sent: 2, 4 or 8, or None for float32 (``bits`` 32 or None)."""
-        return None if self.bits in (None, 32) else self.bits
+        """The bits of a value sent: 2, 4 or 8, or None for float32 (``bits=32``)."""
+        return None if self.bits == 32 else self.bits
 
     @property
     def _scale(self) -> torch.dtype:
