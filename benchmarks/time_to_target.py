@@ -37,6 +37,8 @@ import math
 import sys
 from typing import Optional
 
+from common import split_contenders
+
 import unison
 
 NODES = [2, 4, 8, 16, 32, 64]
@@ -98,15 +100,18 @@ def mean_curve(runs: list[dict]) -> list[list[float]]:
     return [[points[0][0], sum(p[1] for p in points) / len(points)] for points in zip(*curves)]
 
 
-def contenders(paths: list[str]) -> list[dict]:
-    """Every contender of every run: steps to nothing yet, its bytes a step per parameter, its ranks."""
-    out = []
+def contenders(paths: list[str], keep: Optional[list[str]] = None) -> list[dict]:
+    """Every contender of every run (or those named in ``keep``, each from the first run holding
+    it): its mean curve, its bytes a step per parameter, its ranks, its collective and syncs."""
+    out: list[dict] = []
     for path in paths:
         with open(path) as f:
             run = json.load(f)
         ranks = run["config"]["nodes"] * run["config"]["procs_per_node"]
         params = run["info"]["params"]
         for name, r in run["results"].items():
+            if (keep is not None and name not in keep) or any(c["spec"] == name for c in out):
+                continue
             runs = r.get("runs", [r])
             if "curve" not in runs[0]:
                 raise SystemExit(f"{path}: {name} has no curve (run bench_charlm.py with --curve)")
@@ -235,6 +240,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", help="bench_charlm.py JSON files (with --curve)")
     parser.add_argument("--target", type=float, help="the validation loss to reach")
+    parser.add_argument("--contenders", help="the contenders to keep, comma-separated (default: every one)")
     parser.add_argument("--baseline", default="allreduce", help="the contender the speed-ups are against")
     parser.add_argument("--cpu-ms", type=float, help="compute of one step on this machine, ms (default: measured)")
     parser.add_argument("--gpu-ms", type=float, default=28.0, help="compute of one step on the GPU, ms")
@@ -255,7 +261,7 @@ def main(argv=None) -> int:
 
             args.cpu_ms = 1000 * charlm_step_seconds("small", 20)[0]
         out["cpu_ms"] = args.cpu_ms
-        cs = contenders(args.runs)
+        cs = contenders(args.runs, split_contenders(args.contenders) if args.contenders else None)
         with open(args.runs[0]) as f:
             params = json.load(f)["info"]["params"]
         latency = args.latency_ms / 1000

@@ -361,7 +361,9 @@ class Demo(Algorithm[DemoState]):
             bounds = shard_bounds(padded, self.chunk, levels.local_size)
             shard = levels.shard_numel(padded, bounds)
             cross = (
-                (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.value_bits, self._scale) if shard else 0
+                (levels.nodes - 1) * message_bytes(shard, self.chunk, self.topk, self.value_bits, self._scale)
+                if shard
+                else 0
             )
             return 2 * levels.leg_bytes(padded, 4, bounds) + cross
         return (world_size - 1) * message_bytes(padded, self.chunk, self.topk, self.value_bits, self._scale)
