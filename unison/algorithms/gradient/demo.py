@@ -218,8 +218,8 @@ class Demo(Algorithm[DemoState]):
     float32 values, ``5 topk / (4 chunk)``); every rank sends it to every other (all-gather), so
     against a ring allreduce's ``2 (W-1)/W`` copies it is ``W/2`` times that ratio: 1/28 of
     allreduce's bytes on 4 ranks. The defaults are the paper's algorithm (sign, SGD, the mean
-    over senders) with values in 2 bits instead of its float32: on charlm (4 ranks, 20 epochs)
-    1.7% above allreduce's validation loss (docs/benchmarks.md).
+    over senders) with values in 2 bits instead of its float32: on charlm (4 ranks, 20 epochs,
+    3 seeds) 0.4% above allreduce's validation loss (docs/benchmarks.md).
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
     ``0.02 (W + 1)`` P at the defaults); one bucket-sized decode buffer and, with
