@@ -48,7 +48,12 @@ def add_train_parser(subparsers) -> None:
     )
     p.add_argument("--epochs", type=positive_int, default=defaults.epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="samples per step on each rank")
-    p.add_argument("--lr", type=positive_float, default=defaults.lr, help="SGD learning rate")
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=defaults.lr,
+        help="SGD learning rate (demo, which steps on the sign, takes 1/25 of it)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the split, the model and the shuffling")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH")
     p.add_argument(
