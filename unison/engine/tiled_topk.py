@@ -118,6 +118,8 @@ class TiledTopK:
         self.numel = max(r.offset + r.numel for r in self.runs)
         self.count = sum(r.count for r in self.runs)
         self.chunks = sum(r.chunks for r in self.runs)
+        # where each run's chunks start among all the chunks (the scales of quantizer="max")
+        self._first_chunk = [sum(r.chunks for r in self.runs[:i]) for i in range(len(self.runs))]
         ks = {r.k for r in self.runs}
         self.k: Optional[int] = ks.pop() if len(ks) == 1 else None  # the entries per chunk, where all send alike
         self.width = index_width(max(r.size for r in self.runs))
@@ -186,7 +188,7 @@ class TiledTopK:
                 heads[i].copy_(table)
                 sent = table.to(self.scale_dtype).float()[codes.long()]
             else:
-                first_chunk = sum(r.chunks for r in self.runs[:i])
+                first_chunk = self._first_chunk[i]
                 scale = torch.amax(chosen.abs(), dim=1).mul_(2 / (self.levels - 1))
                 if self.scale_dtype != torch.float32:
                     scale = scale.to(self.scale_dtype).float()  # quantize with the scale the ranks decode with
@@ -231,7 +233,7 @@ class TiledTopK:
             if self.quantizer == "bins":
                 torch.index_select(heads[i], 0, q.long(), out=values[run.first : run.first + run.count])
             else:
-                first_chunk = sum(r.chunks for r in self.runs[:i])
+                first_chunk = self._first_chunk[i]
                 scale = heads[first_chunk : first_chunk + run.chunks]
                 out = values[run.first : run.first + run.count].view(run.chunks, run.k)
                 out.copy_(q.view(run.chunks, run.k)).sub_(self.half).mul_(scale[:, None])
