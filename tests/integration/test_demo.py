@@ -28,6 +28,10 @@ CASES = [
     ({"beta": 0.5, "chunk": 32, "topk": 3, "bits": 4, "scale_dtype": "fp32"}, 3),
     ({"beta": 0.999, "chunk": 16, "topk": 1, "bits": 8, "mean": "world", "sign": False}, 3),
     ({}, 3),  # the defaults: 2-bit values, bfloat16 scales, the sign, the mean over senders
+    # 2-D tiles (8 x 8, 4 x 8) and vector chunks (8, and a 4-value bias: one chunk) with float32 values;
+    # with the defaults' 2-bit values and the sign, one coefficient of 8 sent (8 of an 8 x 8 tile)
+    ({"beta": 0.9, "chunk": 8, "topk": 2, "mean": "world", "bits": 32, "sign": False, "layout": "tiles"}, 3),
+    ({"chunk": 8, "topk": 1, "layout": "tiles"}, 3),
 ]
 
 
@@ -43,36 +47,67 @@ def dct(n: int) -> torch.Tensor:
     return d.float()
 
 
-def reference_step(momenta, grads, *, beta, chunk, topk, bits=None, sign=False, scale_dtype="fp32", mean="senders"):
+def divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` not above ``cap``."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def coefficients(m: torch.Tensor, chunk: int, layout: str):
+    """The DCT coefficients of ``m`` as rows of equal blocks ``[blocks, size]``, and the function that
+    turns such rows back into ``m``'s shape. ``"chunks"``: padded to whole chunks, a 1-D DCT each;
+    ``"tiles"`` (the paper's code): a matrix (``shape[0] x rest``) in ``h x w`` tiles, each side the
+    largest divisor of its dimension not above ``chunk``, a 2-D DCT each; a vector in chunks of the
+    largest divisor of its length not above ``chunk``."""
+    n, shape = m.numel(), m.shape
+    if layout == "tiles" and m.dim() >= 2:
+        rows, cols = shape[0], n // shape[0]
+        h, w = divisor(rows, chunk), divisor(cols, chunk)
+        if h * w >= chunk:
+            dh, dw = dct(h), dct(w)
+            tiles = m.reshape(rows // h, h, cols // w, w).permute(0, 2, 1, 3)
+            coeffs = (dh @ tiles @ dw.T).reshape(-1, h * w)
+
+            def back(c: torch.Tensor) -> torch.Tensor:
+                t = dh.T @ c.reshape(rows // h, cols // w, h, w) @ dw
+                return t.permute(0, 2, 1, 3).reshape(shape)
+
+            return coeffs, back
+    size = divisor(n, chunk) if layout == "tiles" else chunk
+    d = dct(size)
+    padded = torch.zeros(math.ceil(n / size) * size)
+    padded[:n] = m.reshape(-1)
+    return padded.view(-1, size) @ d.T, lambda c: (c @ d).reshape(-1)[:n].view(shape)
+
+
+def reference_step(
+    momenta, grads, *, beta, chunk, topk, bits=None, sign=False, scale_dtype="fp32", mean="senders", layout="chunks"
+):
     """One DeMo step of every rank (``momenta[r][i]``: rank r's momentum of parameter i, updated in
     place) from their gradients; returns each parameter's direction (the same on every rank): the
-    inverse DCT of each coefficient's mean over the ranks that sent it (``mean="senders"``) or over all."""
-    d, world = dct(chunk), len(momenta)
+    inverse DCT of each coefficient's mean over the ranks that sent it (``mean="senders"``) or over
+    all. With tiles each block sends ``topk / chunk`` of its coefficients (at least one)."""
+    world = len(momenta)
     directions = []
     for i in range(len(grads[0])):
-        sent_sum, senders = None, 0
+        sent_sum, senders, back = None, 0, None
         for r in range(world):
             m = momenta[r][i]
             m.mul_(beta).add_(grads[r][i])
-            n = m.numel()
-            padded = torch.zeros(math.ceil(n / chunk) * chunk)
-            padded[:n] = m.reshape(-1)
-            coeffs = (padded.view(-1, chunk) @ d.T).reshape(-1)
+            coeffs, back = coefficients(m, chunk, layout)
+            size = coeffs.shape[1]
+            k = topk if layout == "chunks" else min(size, max(1, round(topk * size / chunk)))
             if bits is None:
-                sent = torch.zeros_like(coeffs).view(-1, chunk)
-                rows = coeffs.view(-1, chunk)
-                idx = rows.abs().topk(topk, dim=1).indices
-                sent.scatter_(1, idx, rows.gather(1, idx))
-                sent = sent.reshape(-1)
+                sent = torch.zeros_like(coeffs)
+                idx = coeffs.abs().topk(k, dim=1).indices
+                sent.scatter_(1, idx, coeffs.gather(1, idx))
             else:
-                sent = quantized_topk(coeffs, chunk, topk, bits, SCALE_DTYPES[scale_dtype])
-            kept = ((coeffs - sent).view(-1, chunk) @ d).reshape(-1)
-            m.copy_(kept[:n].view_as(m))
+                sent = quantized_topk(coeffs.reshape(-1), size, k, bits, SCALE_DTYPES[scale_dtype]).view_as(coeffs)
+            m.copy_(back(coeffs - sent))
             sent_sum = sent if sent_sum is None else sent_sum + sent
             senders = senders + (sent != 0).float()
         average = sent_sum / (senders.clamp(min=1) if mean == "senders" else world)
-        direction = (average.view(-1, chunk) @ d).reshape(-1)[: grads[0][i].numel()]
-        directions.append((direction.sign() if sign else direction).view_as(grads[0][i]))
+        direction = back(average)
+        directions.append(direction.sign() if sign else direction)
     return directions
 
 
@@ -86,6 +121,7 @@ def spelled_out(algo) -> dict:
         "sign": algo.sign,
         "scale_dtype": algo.scale_dtype or "bf16",
         "mean": algo.mean,
+        "layout": algo.layout,
     }
 
 
@@ -133,16 +169,30 @@ def check_against_reference() -> list[dict]:
             momentum_gaps.append(max((saved[n] - m).abs().max().item() for n, m in zip(names, momenta[rank])))
             spreads.append(spread_across_ranks(net))
             bytes_.append(model.comm_stats["bytes_last_step"])
-            chunk, scale = options["chunk"], SCALE_DTYPES[options["scale_dtype"]]
-            padded = [sum(math.ceil(v.numel() / chunk) * chunk for v in b.views) for b in model._core.reducer.buckets]
-            expected.append(
-                sum((world - 1) * message_bytes(n, chunk, options["topk"], options.get("bits"), scale) for n in padded)
-            )
+            expected.append(sum((world - 1) * message_size(options, b) for b in model._core.reducer.buckets))
         out.append(
             {"gaps": gaps, "momentum_gaps": momentum_gaps, "spreads": spreads, "bytes": bytes_, "expected": expected}
         )
         model.close()
     return out
+
+
+def message_size(options: dict, bucket) -> int:
+    """Bytes of one rank's message of ``bucket``, from its layout: chunks as ``engine.dct`` packs
+    them; tiles with 12-bit indices (packed in pairs) for tiles of more than 256 values, else 8."""
+    chunk, topk, bits = options["chunk"], options["topk"], options.get("bits")
+    scale = SCALE_DTYPES[options["scale_dtype"]]
+    if options["layout"] == "chunks":
+        padded = sum(math.ceil(v.numel() / chunk) * chunk for v in bucket.views)
+        return message_bytes(padded, chunk, topk, bits, scale)
+    blocks = [coefficients(torch.zeros(v.shape), chunk, "tiles")[0].shape for v in bucket.views]
+    sent = sum(b * min(size, max(1, round(topk * size / chunk))) for b, size in blocks)
+    width = 8 if max(size for _, size in blocks) <= 256 else 12
+    head = 0 if bits is None else sum(b for b, _ in blocks) * scale.itemsize
+    aligned = lambda n: math.ceil(n / 4) * 4  # noqa: E731
+    index = 3 * math.ceil(sent / 2) if width == 12 else sent
+    values = sent * 4 if bits is None else math.ceil(sent * bits / 8)
+    return aligned(aligned(aligned(head) + index) + values)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -156,8 +206,12 @@ def test_every_step_is_the_hand_written_update(world):
                 assert packed > 0 and 0 <= sent - packed <= 6  # and the has-a-gradient flags: a byte per parameter
 
 
-# every option's kind: float32 values, 2-bit values with the sign
-RESUMED = ["demo:beta=0.9,chunk=64,topk=4", "demo:beta=0.99,chunk=32,topk=2,bits=2,sign=True"]
+# every option's kind: float32 values, 2-bit values with the sign, 2-D tiles
+RESUMED = [
+    "demo:beta=0.9,chunk=64,topk=4,bits=32,sign=false",
+    "demo:beta=0.99,chunk=32,topk=2,bits=2,sign=True",
+    "demo:chunk=8,topk=1,layout=tiles",
+]
 STEPS, SAVE_AT = 8, 4
 
 
@@ -220,7 +274,14 @@ def check_switch() -> dict:
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     model = unison.DataParallel(net, optimizer=opt)
     step = 0
-    for spec in ("demo:chunk=32,topk=8", "allreduce", "demo:chunk=32,topk=8,bits=8", "local_sgd:period=2", "demo"):
+    specs = (
+        "demo:chunk=32,topk=8",
+        "allreduce",
+        "demo:chunk=32,topk=8,bits=8",
+        "local_sgd:period=2",
+        "demo:layout=tiles",
+    )
+    for spec in specs:
         model.switch_to(spec)
         if spec.startswith("demo"):
             out["fresh"].append(model.algorithm_state.state_dict()["feedback"] == {})  # none before its first backward

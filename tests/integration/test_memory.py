@@ -84,6 +84,10 @@ BUDGET = {
     # (a bucket each, 0.06 P here) and the block shared by transforms and codecs (256 KiB).
     "demo": 1.26,
     "demo:bits=32,topk=4": 1.43,
+    # 2-D tiles: the same momentum and messages (12-bit indices, a scale per tile: 1.4%), no count buffer
+    # (the tiled codec counts senders block by block), and the codec's chosen entries and their positions
+    # (8 bytes for each of 1/32 of the values: 0.06 P)
+    "demo:layout=tiles": 1.26,
 }
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import unison
-from unison.engine.dct import FullTopK, codec, dct_matrix, message_bytes, transform_
+from unison.engine.dct import FullTopK, codec, dct_matrix, message_bytes, transform_, transform_tiles_
+from unison.engine.tiles import Tiles
 from unison.engine.topk import BLOCK
 
 
@@ -24,6 +25,40 @@ def test_dct_is_orthonormal_and_matches_its_definition(n):
     x = torch.randn(7, n)
     d32 = dct_matrix(n)
     assert torch.allclose((x @ d32.T) @ d32, x, atol=1e-5)  # the round trip
+
+
+def test_each_tiles_2d_dct_in_place_by_blocks_and_back():
+    """``transform_tiles_`` with ``D_h`` and ``D_w.T`` is each tile's 2-D DCT, ``D_h X D_w^T``
+    (a scratch of fewer tiles than there are: blocks), and with ``D_h.T`` and ``D_w`` its inverse."""
+    x = torch.randn(7, 8, 4, generator=torch.Generator().manual_seed(0))
+    dh, dw = dct_matrix(8), dct_matrix(4)
+    y = x.clone()
+    transform_tiles_(y, dh, dw.T.contiguous(), torch.empty(3 * 32))
+    for t in range(7):
+        torch.testing.assert_close(y[t], dh @ x[t] @ dw.T, rtol=0, atol=1e-5)
+    transform_tiles_(y, dh.T.contiguous(), dw, torch.empty(32))
+    torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+
+def test_a_tiled_momentum_pairs_each_parameter_with_its_tiles():
+    """``layout="tiles"``: the momentum lies tile after tile (the first 4 x 4 tile of a 16 x 8
+    matrix first), each parameter's gradient folds into its tiles (``pair``), and the copies by
+    name (checkpoints) and the saved gradients a redone round folds are shaped as the parameters."""
+    from unison.algorithms.gradient.demo import Entry
+
+    shapes = [torch.Size([16, 8]), torch.Size([6])]
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    entry = Entry(grads, chunk=4, device=torch.device("cpu"), tiles=Tiles(shapes, "tiles", 4, 0.25))
+    torch._foreach_add_(entry.views, entry.pair(grads))
+    assert torch.equal(entry.flat[:16], grads[0][:4, :4].reshape(-1))
+    assert torch.equal(entry.flat[16:32], grads[0][:4, 4:].reshape(-1))
+    assert all(torch.equal(a, b) for a, b in zip(entry.named(), grads))
+    saved = [torch.zeros(s) for s in shapes]
+    entry.lend(saved, 0.5, folded=True)  # the momentum folded, shaped as the parameters
+    assert all(torch.equal(a, b) for a, b in zip(saved, grads))
+    entry.flat.mul_(0.25)  # what the round left, once it sent some of it
+    entry.lend(saved, 0.5, folded=False)
+    assert all(torch.allclose(a, b - 0.5 * 0.25 * b) for a, b in zip(saved, grads))
 
 
 def test_transform_in_place_by_blocks_is_the_matrix_product():
@@ -93,6 +128,8 @@ def test_message_bytes():
         ({"bits": 32, "scale_dtype": "bf16"}, "scale_dtype must be unset when bits is 32"),
         ({"mean": "all"}, "mean must be one of 'senders', 'world'"),
         ({"bits": 2, "scale_dtype": "fp16"}, "scale_dtype must be one of 'fp32', 'bf16'"),
+        ({"layout": "rows"}, "layout must be one of 'chunks', 'tiles'"),
+        ({"layout": "tiles", "hierarchical": True}, "layout must be 'chunks' with hierarchical=True"),
     ],
 )
 def test_bad_options_are_refused(options, says):

@@ -165,3 +165,23 @@ def test_a_bfloat16_table_is_what_every_rank_decodes_and_the_feedback_keeps():
     torch.testing.assert_close(e.flat + out, start, rtol=0, atol=1e-6)
     assert codec.heads(message).dtype == torch.bfloat16
     assert codec.nbytes < full.nbytes
+
+
+def test_float32_values_travel_exact_with_no_table_or_scale():
+    """``bits=32`` (demo's tiles, as its paper sends): each chunk's top-k as float32, exactly; the
+    message is the 12-bit indices (tiles of 4096 values) and 4 bytes a value, nothing else."""
+    xs = tensors(7)
+    tiles = layout()
+    codec = TiledTopK(tiles.runs, 32)
+    e = TiledBuffer(tiles, CPU)
+    e.load(xs)
+    start = e.flat.clone()
+    message = codec.encode(e.flat, codec.empty())
+    out = torch.zeros(tiles.numel)
+    codec.mean_into(message[None], out)
+    assert torch.equal(e.flat + out, start)  # what was sent left the buffer, exactly
+    assert torch.equal(out[out != 0], start[out != 0])  # and arrives as it was
+    assert int((out != 0).sum()) == tiles.count
+    width = max(r.size for r in tiles.runs)
+    indices = index_bytes(tiles.count + tiles.count % 2, 12 if width > 256 else 8)
+    assert codec.nbytes == -(-indices // 4) * 4 + 4 * tiles.count

@@ -45,6 +45,23 @@ def transform_(rows: torch.Tensor, matrix: torch.Tensor, scratch: torch.Tensor) 
     return rows
 
 
+def transform_tiles_(
+    tiles: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """``tiles[t] = left @ tiles[t] @ right`` in place for each tile of ``tiles`` (``[T, h, w]``,
+    contiguous; ``left`` ``[h, h]``, ``right`` ``[w, w]``), a block of tiles at a time through
+    ``scratch`` (at least ``h * w`` values); returns ``tiles``. With ``left = D_h`` and
+    ``right = D_w.T`` it is each tile's 2-D DCT, with ``D_h.T`` and ``D_w`` its inverse."""
+    count, h, w = tiles.shape
+    per = max(1, scratch.numel() // (h * w))
+    for t0 in range(0, count, per):
+        block = tiles[t0 : t0 + per]
+        out = scratch[: block.numel()].view(block.shape)
+        torch.matmul(block, right, out=out)
+        torch.matmul(left, out, out=block)
+    return tiles
+
+
 class FullTopK:
     """The chunk-wise top-k of ``numel`` values (a whole number of chunks of ``chunk``) with
     float32 values, in fixed-size messages: the values ``[chunks, k]``, then their positions in

@@ -1,5 +1,5 @@
-"""SparseLoCo's wire format: the top-k of each chunk of a ``Tiles`` layout, its values in 2, 4 or
-8 bits, and the mean of many messages (pure tensors, no communication).
+"""SparseLoCo's (and DeMo's tiled) wire format: the top-k of each chunk of a ``Tiles`` layout, its
+values in 2, 4 or 8 bits (or float32), and the mean of many messages (pure tensors, no communication).
 
 Every message of a codec has the same size, so the ranks exchange them with one all-gather of
 equal buffers. Two quantizers:
@@ -12,10 +12,13 @@ equal buffers. Two quantizers:
 - ``"max"``: each chunk's values on ``L`` levels symmetric about zero, scaled by the chunk's
   largest magnitude (one scale per chunk on the wire).
 
+With ``bits=32`` the values travel as float32 (no table, no scale): DeMo's paper sends them so.
+
 Layout of one message (uint8, a multiple of 4 bytes): the tables (``[runs, L]``) or the scales
 (``[chunks]``) in float32 (or bfloat16), then the indices (each chunk's positions: uint8 up to
 256 values a chunk, 12 bits packed two to 3 bytes up to 4096, int16 up to 32768, else int32),
-then the codes bit-packed ``8 // bits`` to a byte, low bits first; each section 4-byte aligned.
+then the codes bit-packed ``8 // bits`` to a byte, low bits first (or the float32 values); each
+section 4-byte aligned.
 
 ``mean_into`` decodes many messages into a dense target: the plain mean over the ranks, or, as the
 references do, each coordinate's mean over the ranks that sent it (a sum and a count, added in
@@ -87,8 +90,8 @@ class TiledTopK:
 
     Args:
         runs: the runs of chunks (``Tiles.runs``, or ``Tiles.slice`` for a shard).
-        bits: bits per value: 2, 4 or 8.
-        quantizer: ``"bins"`` (a table per run) or ``"max"`` (a scale per chunk).
+        bits: bits per value: 2, 4 or 8, or 32 (float32 values, no quantizer).
+        quantizer: ``"bins"`` (a table per run) or ``"max"`` (a scale per chunk); unused with 32 bits.
         scale_dtype: the dtype of the tables or scales on the wire (float32 or bfloat16; what
             is sent is what every rank decodes with, the feedback included).
         device: the buffers' device.
@@ -124,10 +127,11 @@ class TiledTopK:
         self.k: Optional[int] = ks.pop() if len(ks) == 1 else None  # the entries per chunk, where all send alike
         self.width = index_width(max(r.size for r in self.runs))
         slots = self.count + (self.count % 2 if self.width == 12 else 0)  # 12 bits go in pairs
-        per = 8 // bits
+        self.raw = bits == 32  # float32 values: no codes, no heads
+        per = 1 if self.raw else 8 // bits
         self.codes_count = -(-self.count // per) * per
         item = torch.empty((), dtype=scale_dtype).element_size()
-        heads = len(self.runs) * self.levels if quantizer == "bins" else self.chunks
+        heads = 0 if self.raw else len(self.runs) * self.levels if quantizer == "bins" else self.chunks
         head_end = heads * item
         index_start = _aligned(head_end)
         index_end = index_start + index_bytes(slots, self.width)
@@ -142,7 +146,7 @@ class TiledTopK:
         # work buffers, allocated once: the chosen entries, their positions and codes
         self._chosen = torch.zeros(self.count, dtype=torch.float32, device=self.device)
         self._where = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        self._codes_buffer = torch.zeros(self.codes_count, dtype=torch.uint8, device=self.device)
+        self._codes_buffer = torch.zeros(0 if self.raw else self.codes_count, dtype=torch.uint8, device=self.device)
         self.block_numel = max(BLOCK, max(r.size for r in self.runs))
         self._scratch: Optional[torch.Tensor] = None
 
@@ -162,9 +166,9 @@ class TiledTopK:
         return self._scratch[base : base + rows * size].view(rows, size)
 
     def heads(self, message: torch.Tensor) -> torch.Tensor:
-        """The message's tables (``[runs, L]``) or scales (``[chunks]``)."""
+        """The message's tables (``[runs, L]``) or scales (``[chunks]``); empty with 32 bits."""
         out = message[self._heads].view(self.scale_dtype)
-        return out.view(len(self.runs), self.levels) if self.quantizer == "bins" else out
+        return out.view(len(self.runs), self.levels) if self.quantizer == "bins" and not self.raw else out
 
     def encode(self, values: torch.Tensor, message: torch.Tensor, feedback: bool = True) -> torch.Tensor:
         """The top-k of each chunk of ``values`` (flat float32, ``numel`` long) into ``message``;
@@ -182,6 +186,10 @@ class TiledTopK:
                 _, at = torch.topk(magnitudes, run.k, dim=1, sorted=False)
                 where[c0 : c0 + per].copy_(at)
                 torch.gather(rows, 1, at, out=chosen[c0 : c0 + per])
+            if self.raw:
+                if feedback:
+                    grid.scatter_(1, where.long(), 0.0)
+                continue
             codes = self._codes_buffer[run.first : run.first + run.count].view(run.chunks, run.k)
             if self.quantizer == "bins":
                 table = self._bins(chosen, codes)
@@ -200,7 +208,10 @@ class TiledTopK:
             if feedback:
                 grid.scatter_add_(1, where.long(), sent.neg_())
         pack_indices(self._where, self.width, message[self._indices])
-        pack(self._codes_buffer, self.bits, message[self._codes])
+        if self.raw:
+            message[self._codes].view(torch.float32).copy_(self._chosen)
+        else:
+            pack(self._codes_buffer, self.bits, message[self._codes])
         return message
 
     def _bins(self, chosen: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -225,6 +236,8 @@ class TiledTopK:
         (float32), flat in the runs' order (``run.first`` on)."""
         slots = torch.empty(self._where.numel(), dtype=torch.int64, device=message.device)
         where = unpack_indices(message[self._indices], self.width, slots)[: self.count]
+        if self.raw:
+            return where, message[self._codes].view(torch.float32)
         codes = unpack(message[self._codes], self.bits)[: self.count]
         heads = self.heads(message).float()
         values = torch.empty(self.count, dtype=torch.float32, device=message.device)

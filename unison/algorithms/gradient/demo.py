@@ -1,7 +1,8 @@
 """DeMo (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870): Decoupled Momentum Optimization.
 
 Each rank folds its gradient into a momentum of its own (``m = beta m + g``), takes the DCT of
-each chunk of it, sends the top-k coefficients of each chunk and removes them from ``m`` (the
+each chunk of it (``layout="tiles"``: the 2-D DCT of each tile of a matrix, as the paper's code
+does), sends the top-k coefficients of each chunk and removes them from ``m`` (the
 rest stays, as error feedback does). The ranks all-gather the fixed-size messages
 (``engine.dct``), each decodes and averages them and takes the inverse DCT: that average (or
 its sign, ``sign=True``) is the gradient the user's optimizer sees. Bucket by bucket, so the
@@ -16,7 +17,7 @@ put back (``Entry.before``). See docs/algorithms.md#demo.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,11 @@ from ...engine import offload
 from ...engine.buckets import Bucket
 from ...engine.comm import Pending, Waitable, start
 from ...engine.comm import wait as comm_wait
-from ...engine.dct import Codec, codec, dct_matrix, message_bytes, transform_
+from ...engine.dct import Codec, codec, dct_matrix, message_bytes, transform_, transform_tiles_
 from ...engine.hierarchy import TwoLevel
+from ...engine.tiled_topk import BLOCK as TILED_BLOCK
+from ...engine.tiled_topk import TiledTopK
+from ...engine.tiles import Tiles
 from ...engine.topk import BITS, BLOCK, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
@@ -34,25 +38,45 @@ from ..contract import Algorithm, Recovery, State
 
 
 class Entry:
-    """One bucket's momentum in DeMo's layout: each parameter's values from a whole chunk on,
-    padded with zeros to whole chunks, in one float32 flat; ``views`` are shaped like the
-    parameters, ``pad`` lists the padding's positions (kept at zero). Under fault tolerance
-    a hierarchical rank's ``before`` holds its shard's momentum as it was before the fold of the
-    round in flight (``folded``: the slice it folded into)."""
+    """One bucket's momentum in DeMo's layout, in one float32 flat: ``layout="chunks"``, each
+    parameter's values from a whole chunk on, padded with zeros to whole chunks; ``"tiles"``,
+    the parameters cut in tiles (``tiles``, ``engine.tiles.Tiles``), each tile contiguous.
+    ``views`` pair with the parameters as ``pair`` shapes them, ``pad`` lists the padding's
+    positions (kept at zero). Under fault tolerance a hierarchical rank's ``before`` holds its
+    shard's momentum as it was before the fold of the round in flight (``folded``: the slice it
+    folded into)."""
 
-    __slots__ = ("flat", "views", "offsets", "pad", "target", "targets", "before", "folded")
+    __slots__ = ("flat", "views", "shapes", "tiles", "offsets", "pad", "target", "targets", "before", "folded")
 
-    def __init__(self, like: list[torch.Tensor], chunk: int, device: torch.device) -> None:
-        sizes = [-(-t.numel() // chunk) * chunk for t in like]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        self.views = [self.flat[o : o + t.numel()].view(t.shape) for o, t in zip(self.offsets, like)]
-        pad = [torch.arange(o + t.numel(), o + s) for o, t, s in zip(self.offsets, like, sizes) if s > t.numel()]
-        self.pad = torch.cat(pad).to(device) if pad else None
+    def __init__(
+        self, like: list[torch.Tensor], chunk: int, device: torch.device, tiles: Optional[Tiles] = None
+    ) -> None:
+        self.shapes = [t.shape for t in like]
+        self.tiles = tiles
+        self.offsets = [p.offset for p in tiles.pieces] if tiles is not None else []
+        if tiles is not None:
+            self.flat = torch.zeros(tiles.numel, dtype=torch.float32, device=device)
+            self.views = tiles.views(self.flat)
+            self.pad = None if tiles.pad is None else tiles.pad.to(device)
+        else:
+            sizes = [-(-t.numel() // chunk) * chunk for t in like]
+            self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            self.views = [self.flat[o : o + t.numel()].view(t.shape) for o, t in zip(self.offsets, like)]
+            pad = [torch.arange(o + t.numel(), o + n) for o, t, n in zip(self.offsets, like, sizes) if n > t.numel()]
+            self.pad = torch.cat(pad).to(device) if pad else None
         self.target: Optional[torch.Tensor] = None  # the shared decode buffer these views are of
         self.targets: list[torch.Tensor] = []
         self.before: Optional[torch.Tensor] = None  # fault tolerance: the momentum before this round's fold
         self.folded: Optional[slice] = None  # what this round folded a gradient into (``before`` holds it)
+
+    def pair(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``tensors`` (shaped as the parameters, contiguous) shaped as ``views``."""
+        return tensors if self.tiles is None else self.tiles.shaped(tensors)
+
+    def named(self) -> list[torch.Tensor]:
+        """Copies of the momentum, one per parameter, shaped as it."""
+        return [view.reshape(shape).clone() for view, shape in zip(self.views, self.shapes)]
 
     def keep(self, on_host: bool, first: int = 0, last: Optional[int] = None) -> None:
         """Copy ``flat[first:last]`` (what the fold is about to change) into ``before``, in host
@@ -70,7 +94,7 @@ class Entry:
         interrupts is done again from them over the momentum it left, which folds to
         ``beta m' + (f - beta m') = f`` (to float rounding) and sends the same message; where no
         redo comes (the others finished the round) the momentum stands as the round left it."""
-        for out, view in zip(saved, self.views):
+        for out, view in zip(self.pair(saved), self.views):
             if folded:
                 out.copy_(view)
             else:
@@ -86,7 +110,11 @@ class Entry:
         """Views of ``target`` (the decode buffer) laid out as ``views`` are in ``flat``."""
         if self.target is not target:
             self.target = target
-            self.targets = [target[o : o + v.numel()].view(v.shape) for o, v in zip(self.offsets, self.views)]
+            flat = target[: self.flat.numel()]
+            if self.tiles is not None:
+                self.targets = self.tiles.views(flat)
+            else:
+                self.targets = [flat[o : o + v.numel()].view(v.shape) for o, v in zip(self.offsets, self.views)]
         return self.targets
 
 
@@ -94,8 +122,9 @@ class Momenta:
     """Every bucket's momentum (``Entry``), created at zero on a bucket's first use and saved by
     parameter name, so a checkpoint restores exactly whatever the bucket plan (as ``FlatState``)."""
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, density: Optional[float] = None) -> None:
         self.chunk = chunk
+        self.density = density  # layout="tiles": the share of each tile sent (else chunks)
         self._entries: dict[tuple[str, ...], Entry] = {}
         self._loose: dict[str, torch.Tensor] = {}
 
@@ -104,7 +133,10 @@ class Momenta:
         entry = self._entries.get(key)
         if entry is None:
             self._retire(set(key))
-            entry = self._entries[key] = Entry(list(bucket.views), self.chunk, bucket.flat.device)
+            tiles = None
+            if self.density is not None:
+                tiles = Tiles([v.shape for v in bucket.views], "tiles", self.chunk, self.density)
+            entry = self._entries[key] = Entry(list(bucket.views), self.chunk, bucket.flat.device, tiles)
             for name, view in zip(key, entry.views):
                 if name in self._loose:
                     view.copy_(self._loose.pop(name).reshape(view.shape))
@@ -114,7 +146,7 @@ class Momenta:
         """Turn the entries of buckets sharing any of ``names`` (a re-plan) back into per-parameter tensors."""
         for key in [k for k in self._entries if names.intersection(k)]:
             entry = self._entries.pop(key)
-            self._loose.update((name, view.clone()) for name, view in zip(key, entry.views))
+            self._loose.update(zip(key, entry.named()))
 
     def settle(self) -> None:
         """The round completed: its folds stand."""
@@ -130,7 +162,7 @@ class Momenta:
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {name: t.clone() for name, t in self._loose.items()}
         for key, entry in self._entries.items():
-            out.update((name, view.clone()) for name, view in zip(key, entry.views))
+            out.update(zip(key, entry.named()))
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -150,22 +182,30 @@ class DemoState(State):
         "target",
         "counts",
         "matrices",
+        "tile_matrices",
+        "wire",
         "levels",
         "node_parts",
     )
 
     def __init__(
-        self, chunk: int, levels: Optional[TwoLevel] = None, keeps: bool = False, on_host: bool = False
+        self,
+        chunk: int,
+        levels: Optional[TwoLevel] = None,
+        keeps: bool = False,
+        on_host: bool = False,
+        density: Optional[float] = None,
     ) -> None:
         super().__init__()
         # internal state
-        self.momenta = Momenta(chunk)
+        self.momenta = Momenta(chunk, density)
         self.keeps = keeps  # fault tolerance: a round can be done again (``Entry.lend``, ``Entry.keep``)
         self.on_host = on_host  # ft_offload=True: copies of the momentum before a fold live in host memory
         self.levels = levels  # hierarchical: the node layout and its rounds' thread
         self.node_parts: dict[int, NodePart] = {}  # hierarchical, per bucket index: its shard and buffers
         # per bucket index: (its padded length, codec, this rank's message, every rank's [world, nbytes])
-        self.codecs: dict[int, tuple[int, Codec, torch.Tensor, torch.Tensor]] = {}
+        self.codecs: dict[int, tuple[int, Union[Codec, TiledTopK], torch.Tensor, torch.Tensor]] = {}
+        self.wire: dict[tuple[str, ...], int] = {}  # layout="tiles": a message's bytes, by the bucket's names
         # work buffers shared by the buckets (used one at a time, on the main thread)
         self.scratch: Optional[torch.Tensor] = None  # a block of rows (transforms, magnitudes): 256 KiB
         self.target: Optional[torch.Tensor] = None  # the decoded average: the largest bucket's padded length
@@ -173,6 +213,7 @@ class DemoState(State):
         # rounds on the main thread or the node rounds on the levels' thread, never both)
         self.counts: Optional[torch.Tensor] = None
         self.matrices: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the DCT and its transpose
+        self.tile_matrices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layout="tiles": the same, by size
 
     def close(self) -> None:
         if self.levels is not None:
@@ -209,6 +250,13 @@ class Demo(Algorithm[DemoState]):
         scale_dtype: with 2, 4 or 8 ``bits``, the dtype of each chunk's scale on the wire:
             ``"bf16"`` (the default) or ``"fp32"`` (4 bytes instead of 2: with
             ``chunk=64,topk=2,bits=2`` a chunk sends 6.5 bytes instead of 4.5).
+        layout: ``"chunks"``: every parameter cut into chunks of ``chunk`` values, a 1-D DCT
+            each; ``"tiles"`` (the paper's code): a matrix (seen as ``shape[0] x rest``) cut into
+            ``chunk x chunk`` tiles (each side the largest divisor of its dimension not above
+            ``chunk``: ``engine.tiles.Tiles``), a 2-D DCT each, and ``topk / chunk`` of each
+            tile's coefficients sent (128 of a 64 x 64 tile at the defaults: the same share);
+            vectors in chunks as before. Its indices take 12 bits (a tile holds up to 4096
+            values) and its ``bits``-bit values one scale per tile. Not with ``hierarchical``.
         hierarchical: the node sums the gradients at full precision; each local rank keeps the
             momentum of its shard (whole chunks) of the node's mean and all-gathers its message
             with the same local rank of the other nodes; the node gathers the direction.
@@ -217,14 +265,16 @@ class Demo(Algorithm[DemoState]):
     a scale: 4.5 bytes per 64 values at the defaults, 1.8% of the fp32 gradient's bytes (with
     float32 values, ``5 topk / (4 chunk)``); every rank sends it to every other (all-gather), so
     against a ring allreduce's ``2 (W-1)/W`` copies it is ``W/2`` times that ratio: 1/28 of
-    allreduce's bytes on 4 ranks. The defaults are the paper's algorithm (sign, SGD, the mean
+    allreduce's bytes on 4 ranks. With ``layout="tiles"`` a 64 x 64 tile sends 128 entries with
+    12-bit indices and one scale: 3.5 bytes per 64 values. The defaults are the paper's algorithm (sign, SGD, the mean
     over senders) with values in 2 bits instead of its float32: on charlm (4 ranks, 20 epochs,
     3 seeds) 0.4% above allreduce's validation loss (docs/benchmarks.md).
 
     Memory: the momentum, float32 (1 P); each bucket's messages (``W + 1`` of them, about
     ``0.02 (W + 1)`` P at the defaults); one bucket-sized decode buffer and, with
-    ``mean="senders"``, one bucket-sized count buffer; hierarchical, a float32
-    buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True`` nothing more
+    ``mean="senders"``, one bucket-sized count buffer (``layout="tiles"``: the tiled codec's
+    chosen entries and their positions instead, 8 bytes for each value sent, 0.06 P at the
+    defaults); hierarchical, a float32 buffer per bucket the node's rounds run in (+1 P). Under ``fault_tolerant=True`` nothing more
     than the saved gradients every gradient algorithm keeps (+1 P), rewritten so that an
     interrupted round done again from them folds what it folded; hierarchical, a copy of each
     shard's momentum before its fold (+1 P, in host memory with ``ft_offload=True``).
@@ -249,6 +299,7 @@ class Demo(Algorithm[DemoState]):
     mean: Literal["senders", "world"] = "senders"
     bits: int = 2
     scale_dtype: Optional[Literal["fp32", "bf16"]] = None  # bf16 for quantized values
+    layout: Literal["chunks", "tiles"] = "chunks"
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
@@ -272,7 +323,15 @@ class Demo(Algorithm[DemoState]):
                     "unset when bits is 32 (float32 values carry no scale); set bits=2, 4 or 8",
                     self.scale_dtype,
                 )
+        options.choice("layout", self.layout, ("chunks", "tiles"))
         options.boolean("hierarchical", self.hierarchical)
+        if self.hierarchical and self.layout == "tiles":
+            raise options.OptionError(
+                "layout",
+                "'chunks' with hierarchical=True (the node's shards are cut at chunk boundaries; tiles "
+                "are not built for them): pass layout='chunks' or hierarchical=False",
+                self.layout,
+            )
         super().__post_init__()
 
     @property
@@ -290,7 +349,10 @@ class Demo(Algorithm[DemoState]):
         levels = None
         if self.hierarchical and replica.distributed:
             levels = TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
-        return DemoState(self.chunk, levels, keeps=replica.fault_tolerant, on_host=replica.saved_on_host)
+        density = self.topk / self.chunk if self.layout == "tiles" else None
+        return DemoState(
+            self.chunk, levels, keeps=replica.fault_tolerant, on_host=replica.saved_on_host, density=density
+        )
 
     def grad_scale(self, replica: Replica, state: DemoState, world_size: int) -> float:
         return 1.0  # the bucket holds this rank's own gradient: it goes into its momentum
@@ -307,21 +369,18 @@ class Demo(Algorithm[DemoState]):
         if state.levels is not None:
             return self._reduce_nodes(state, bucket, entry)
         _, code, mine, everyone = self._codec(state, bucket, entry, world)
-        d, dt = self._matrices(state, bucket.flat.device)
-        scratch = self._scratch(state, entry.flat.device)
         m = entry.flat
-        rows = m.view(-1, self.chunk)
         saved = self._saved(replica, bucket) if state.keeps else None
         with torch.no_grad():
             if state.keeps and saved is None:
                 entry.keep(state.on_host)
             m.mul_(self.beta)
-            torch._foreach_add_(entry.views, list(bucket.views))
+            torch._foreach_add_(entry.views, entry.pair(list(bucket.views)))
             if saved is not None:
                 entry.lend(saved, self.beta, folded=True)
-            transform_(rows, dt, scratch)  # the coefficients, in place
+            self._transform(state, entry, m)  # the coefficients, in place
             code.encode(m, mine)  # m keeps the coefficients not sent
-            transform_(rows, d, scratch)  # back: m - idct(sent)
+            self._transform(state, entry, m, inverse=True)  # back: m - idct(sent)
             if entry.pad is not None:
                 m.index_fill_(0, entry.pad, 0.0)  # the padding holds no momentum
             if saved is not None:
@@ -353,6 +412,14 @@ class Demo(Algorithm[DemoState]):
     def bucket_wire_bytes(self, replica: Replica, state: DemoState, bucket: Bucket, world_size: int) -> int:
         """This rank's message to every other rank (an all-gather); hierarchical, both legs inside
         the node and its shard's message to the other nodes."""
+        if self.layout == "tiles":
+            key = tuple(bucket.names)
+            if key not in state.wire:
+                if not bucket.flat.numel():
+                    return 0
+                tiles = Tiles([v.shape for v in bucket.views], "tiles", self.chunk, self.topk / self.chunk)
+                state.wire[key] = self._tiled_codec(tiles, torch.device("cpu")).nbytes
+            return (world_size - 1) * state.wire[key]
         padded = sum(-(-v.numel() // self.chunk) * self.chunk for v in bucket.views)
         if not padded:
             return 0
@@ -420,7 +487,7 @@ class Demo(Algorithm[DemoState]):
 
     def _codec(
         self, state: DemoState, bucket: Bucket, entry: Entry, world: int
-    ) -> tuple[int, Codec, torch.Tensor, torch.Tensor]:
+    ) -> tuple[int, Union[Codec, TiledTopK], torch.Tensor, torch.Tensor]:
         """The bucket's codec and messages (rebuilt when its layout changed), and the shared buffers grown to it."""
         n, device = entry.flat.numel(), entry.flat.device
         scratch = self._scratch(state, device)
@@ -429,21 +496,35 @@ class Demo(Algorithm[DemoState]):
         self._counts(state, n, device)
         found = state.codecs.get(bucket.index)
         if found is None or found[0] != n or found[3].shape[0] != world:
-            c = codec(n, self.chunk, self.topk, self.value_bits, device, scratch, self._scale)
+            c: Union[Codec, TiledTopK]
+            if entry.tiles is not None:
+                c = self._tiled_codec(entry.tiles, device)
+                c.share(scratch)
+            else:
+                c = codec(n, self.chunk, self.topk, self.value_bits, device, scratch, self._scale)
             found = state.codecs[bucket.index] = (n, c, c.empty(), c.empty(world))
         return found
 
+    def _tiled_codec(self, tiles: Tiles, device: torch.device) -> TiledTopK:
+        """``layout="tiles"``: the codec of a bucket's tiles (a scale per tile with ``bits``-bit values)."""
+        return TiledTopK(tiles.runs, self.bits, "max", self._scale, device)
+
     def _counts(self, state: DemoState, n: int, device: torch.device) -> Optional[torch.Tensor]:
         """``mean="senders"``: the shared count buffer, grown to ``n`` values; else None."""
-        if self.mean != "senders":
+        if self.mean != "senders" or self.layout == "tiles":  # the tiled codec counts block by block
             return None
         if state.counts is None or state.counts.numel() < n:
             state.counts = torch.empty(n, dtype=torch.float32, device=device)
         return state.counts
 
-    def mean_into(self, code: Codec, messages: torch.Tensor, out: torch.Tensor, counts: Optional[torch.Tensor]) -> None:
+    def mean_into(
+        self, code: Union[Codec, TiledTopK], messages: torch.Tensor, out: torch.Tensor, counts: Optional[torch.Tensor]
+    ) -> None:
         """``out`` (zeros) takes the mean of the ``messages`` (in rank order: the same bits on every
         rank): each coefficient's over the ranks that sent it (``counts``), or over all of them."""
+        if isinstance(code, TiledTopK):
+            code.mean_into(messages, out, senders=self.mean == "senders")
+            return
         if counts is None:
             for message in messages:
                 code.decode_add(message, out, 1.0 / messages.shape[0])
@@ -457,7 +538,10 @@ class Demo(Algorithm[DemoState]):
     def _scratch(self, state: DemoState, device: torch.device) -> torch.Tensor:
         """The block of rows the transforms and the codecs' magnitudes share (256 KiB)."""
         if state.scratch is None:
-            state.scratch = torch.empty(max(BLOCK, self.chunk), dtype=torch.float32, device=device)
+            numel = max(BLOCK, self.chunk)
+            if self.layout == "tiles":  # the tiled codec's two blocks (a tile at least)
+                numel = max(numel, 2 * max(TILED_BLOCK, self.chunk * self.chunk))
+            state.scratch = torch.empty(numel, dtype=torch.float32, device=device)
         return state.scratch
 
     def _matrices(self, state: DemoState, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,18 +550,46 @@ class Demo(Algorithm[DemoState]):
             state.matrices = (d, d.t().contiguous())
         return state.matrices
 
-    def direction(self, state: DemoState, bucket: Bucket, entry: Entry, code: Codec, everyone: torch.Tensor) -> None:
+    def _dct(self, state: DemoState, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layout="tiles"``: the DCT of ``size`` values and its transpose (kept by size)."""
+        found = state.tile_matrices.get(size)
+        if found is None or found[0].device != device:
+            d = dct_matrix(size, device)
+            found = state.tile_matrices[size] = (d, d.t().contiguous())
+        return found
+
+    def _transform(self, state: DemoState, entry: Entry, values: torch.Tensor, inverse: bool = False) -> None:
+        """``values`` (in ``entry``'s layout) into their DCT coefficients in place, or (``inverse``)
+        back: each chunk's 1-D DCT, or with tiles each tile's 2-D DCT and each vector chunk's 1-D."""
+        scratch = self._scratch(state, values.device)
+        if entry.tiles is None:
+            d, dt = self._matrices(state, values.device)
+            transform_(values.view(-1, self.chunk), d if inverse else dt, scratch)
+            return
+        for run, piece in zip(entry.tiles.runs, entry.tiles.pieces):
+            block = values[run.offset : run.offset + run.numel]
+            if piece.grid is None:
+                d, dt = self._dct(state, run.size, values.device)
+                transform_(block.view(run.chunks, run.size), d if inverse else dt, scratch)
+                continue
+            _, h, _, w = piece.grid
+            (dh, dht), (dw, dwt) = self._dct(state, h, values.device), self._dct(state, w, values.device)
+            transform_tiles_(block.view(run.chunks, h, w), dht if inverse else dh, dw if inverse else dwt, scratch)
+
+    def direction(
+        self, state: DemoState, bucket: Bucket, entry: Entry, code: Union[Codec, TiledTopK], everyone: torch.Tensor
+    ) -> None:
         """Decode every rank's message (in rank order: the same bits on every rank), average, take
         the inverse DCT and write it (or its sign) into the bucket, which the gradients view."""
-        assert state.target is not None and state.matrices is not None and state.scratch is not None
+        assert state.target is not None
         target = state.target[: entry.flat.numel()]
         with torch.no_grad():
             target.zero_()
-            self.mean_into(code, everyone, target, state.counts if self.mean == "senders" else None)
-            transform_(target.view(-1, self.chunk), state.matrices[0], state.scratch)
+            self.mean_into(code, everyone, target, self._counts(state, target.numel(), target.device))
+            self._transform(state, entry, target, inverse=True)
             if self.sign:
                 target.sign_()
-            torch._foreach_copy_(list(bucket.views), entry.target_views(state.target))
+            torch._foreach_copy_(entry.pair(list(bucket.views)), entry.target_views(state.target))
 
 
 def shard_bounds(numel: int, chunk: int, parts: int) -> list[int]:
@@ -532,7 +644,7 @@ class Gathered:
         state: DemoState,
         bucket: Bucket,
         entry: Entry,
-        code: Codec,
+        code: Union[Codec, TiledTopK],
         everyone: torch.Tensor,
     ) -> None:
         self._work, self._args = work, (state, bucket, entry, code, everyone)
