@@ -177,3 +177,13 @@ def test_an_abandoned_round_puts_back_the_momentum_it_folded_into_and_a_complete
     entry.folded = None  # what Momenta.settle does once the round completed
     entry.undo()
     assert not entry.flat.any()
+
+
+def test_the_sign_with_qadams_frozen_variance_is_refused_at_construction():
+    """QAdamOptimizer freezes Adam's variance after its warm-up; demo's sign steps (+-1 each) over
+    it blow the weights up: refused when the wrapper is built, the direction itself accepted."""
+    net = torch.nn.Linear(4, 2)
+    opt = unison.QAdamOptimizer(net.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="QAdamOptimizer freezes Adam's variance"):
+        unison.DataParallel(net, optimizer=opt, algorithm="demo")
+    unison.DataParallel(net, optimizer=opt, algorithm="demo:sign=false").close()

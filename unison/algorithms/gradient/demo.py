@@ -35,6 +35,7 @@ from ...engine.topk import BITS, BLOCK, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, Recovery, State
+from .qadam_optimizer import QAdamOptimizer
 
 
 class Entry:
@@ -346,6 +347,12 @@ class Demo(Algorithm[DemoState]):
 
     def setup(self, replica: Replica) -> DemoState:
         self.check_optimizers(replica)
+        if self.sign and any(isinstance(o, QAdamOptimizer) for o in replica.optimizers):
+            raise ValueError(
+                "demo steps on the sign of its direction (sign=True, the default), and QAdamOptimizer "
+                "freezes Adam's variance after its warm-up: steps of +-1 over that variance blow the "
+                "weights up. Pair demo with torch.optim.SGD (the paper's pairing), or pass demo:sign=false"
+            )
         levels = None
         if self.hierarchical and replica.distributed:
             levels = TwoLevel.build(replica.topology, replica.group, replica.private_group, self.name, thread=True)
