@@ -54,7 +54,7 @@ class Entry:
     ) -> None:
         self.shapes = [t.shape for t in like]
         self.tiles = tiles
-        self.offsets = [p.offset for p in tiles.pieces] if tiles is not None else []
+        self.offsets: list[int] = []  # chunks: where each parameter starts in ``flat``
         if tiles is not None:
             self.flat = torch.zeros(tiles.numel, dtype=torch.float32, device=device)
             self.views = tiles.views(self.flat)
