@@ -30,6 +30,8 @@ benchmarks/results/charlm.json (or --json PATH).
         --algorithms allreduce,local_sgd:hierarchical=true,diloco:hierarchical=true   # 2 x 2
     python benchmarks/bench_charlm.py --betas 0.9,0.95 --weight-decay 0.1 --clip 1.0 \
         --schedule cosine --seeds 0,1,2 --algorithms sparseloco      # SparseLoCo's inner loop, 3 seeds
+    python benchmarks/bench_charlm.py --algorithms demo --baseline benchmarks/results/charlm.json
+        # allreduce taken from an earlier run with the same settings, not run again
 
 With ``--seeds`` every contender runs once per seed (the model's initialization and the data's
 order), and its figures are the means over the seeds, with each seed's beside them
@@ -225,6 +227,17 @@ def print_table(info: dict, cfg: dict, results: dict) -> None:
         )
 
 
+def read_baseline(path: str, cfg: dict) -> dict:
+    """allreduce's result in ``path`` (a JSON this script wrote), refused unless it ran with ``cfg``."""
+    with open(path) as f:
+        earlier = json.load(f)
+    theirs = {k: v for k, v in earlier["config"].items() if k != "baseline"}
+    if theirs != cfg:
+        differ = sorted(k for k in set(theirs) | set(cfg) if theirs.get(k) != cfg.get(k))
+        raise SystemExit(f"--baseline {path} ran with other settings ({', '.join(differ)}): run allreduce again")
+    return earlier["results"]["allreduce"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -261,10 +274,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--clip", type=float, default=0.0, help="clip the gradients' norm to this before a step (0: off)"
     )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="a JSON this script wrote with the same settings: its allreduce is taken instead of run again",
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "charlm.json"))
     args = parser.parse_args(argv)
     names = split_contenders(args.algorithms)
-    names = ["allreduce"] + [n for n in names if n != "allreduce"]
+    names = [n for n in names if n != "allreduce"]
+    if not args.baseline:
+        names = ["allreduce"] + names
     for n in names:
         unison.algorithms.create(n.partition("@")[0])  # an unknown name or option fails here, before any process starts
     cfg = {
@@ -291,9 +311,13 @@ def main(argv=None) -> int:
     }
     cfg["betas"] = [float(b) for b in args.betas.split(",")]
     cfg["seeds"] = [int(v) for v in args.seeds.split(",") if v.strip()]
+    baseline = read_baseline(args.baseline, cfg) if args.baseline else None
     start = time.perf_counter()
     out = launch(worker, args.nodes * args.procs_per_node, names, cfg)[0]
     wall = time.perf_counter() - start
+    if baseline is not None:
+        out["results"] = {"allreduce": baseline, **out["results"]}
+        cfg["baseline"] = args.baseline
     verdicts(out["results"])
     print_table(out["info"], cfg, out["results"])
     missed = [n for n, r in out["results"].items() if r["within_target"] is False]
