@@ -120,6 +120,73 @@ def test_model_averaging_over_fsdp2_is_that_of_the_unsharded_model(algorithm, op
             assert torch.allclose(value, expected[name], atol=1e-5, rtol=0), (rank, name)
 
 
+SWITCHED = "diloco:period=2,fragments=1,delay=0"
+
+
+def unsharded_switch() -> dict:
+    """local_sgd, a switch to diloco (which averages weights and optimizer states), average() at the end."""
+    node = dist.get_rank()
+    net = built(node)
+    opt = optimizer("sgd", net.parameters())
+    model = unison.DataParallel(net, optimizer=opt, algorithm="local_sgd:period=3,fragments=1,delay=0")
+    train(model, opt, [node_batch(s, node) for s in range(4)])
+    model.switch_to(SWITCHED)
+    train(model, opt, [node_batch(s, node) for s in range(4, STEPS)])
+    model.average()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def sharded_switch() -> dict:
+    rank = dist.get_rank()
+    mesh = mesh_2d()
+    net = sharded_net(mesh, rank // PER_NODE)
+    opt = optimizer("sgd", net.parameters())
+    model = unison.DataParallel(
+        net, optimizer=opt, algorithm="local_sgd:period=3,fragments=1,delay=0", device_mesh=mesh["replicate"]
+    )
+    train(model, opt, [rank_batch(s, rank) for s in range(4)])
+    model.switch_to(SWITCHED)
+    train(model, opt, [rank_batch(s, rank) for s in range(4, STEPS)])
+    model.average()
+    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+
+
+def test_switch_to_and_average_over_fsdp2_are_those_of_the_unsharded_model():
+    reference = launch.run(unsharded_switch, NODES)
+    sharded = launch.run(sharded_switch, NODES * PER_NODE)
+    for rank, weights in enumerate(sharded):
+        for name, value in weights.items():
+            assert torch.equal(value, sharded[0][name]), (rank, name)  # average(): every replica the same
+            assert torch.allclose(value, reference[0][name], atol=1e-5, rtol=0), (rank, name)
+
+
+def reloaded() -> dict:
+    """state_dict() and load_state_dict() keep the local shards the algorithm trains (FSDP2 copies
+    into them); with assign=True FSDP2 replaces them, and the wrapper refuses to go on."""
+    rank = dist.get_rank()
+    mesh = mesh_2d()
+    net = sharded_net(mesh, rank // PER_NODE)
+    opt = optimizer("sgd", net.parameters())
+    model = unison.DataParallel(net, optimizer=opt, algorithm=SWITCHED, device_mesh=mesh["replicate"])
+    state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+    train(model, opt, [rank_batch(s, rank) for s in range(3)])
+    model.load_state_dict(state)
+    restored = all(torch.equal(p.full_tensor(), state[n].full_tensor()) for n, p in net.named_parameters())
+    train(model, opt, [rank_batch(s, rank) for s in range(3)])  # the algorithm still trains the live shards
+    try:
+        model.load_state_dict(state, assign=True)
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    return restored, refused
+
+
+def test_load_state_dict_over_fsdp2_keeps_the_local_shards():
+    for restored, refused in launch.run(reloaded, NODES * PER_NODE):
+        assert restored
+        assert refused is not None and "replaced the local shard" in refused, refused
+
+
 # ---- what is not built yet over FSDP2: refused on every rank, with the reason --------------------------------
 
 GRADIENTS = ("allreduce", "fp16", "bf16", "bytegrad", "powersgd", "demo", "qadam", "nonblocking", "daso")
