@@ -303,8 +303,11 @@ class DataParallel(nn.Module):
         events = self._core.start()
         group = events.gradient_group() if self.process_group is not None else None
         distributed = group is not None and dist.get_world_size(group) > 1
-        if self._core.fsdp2:
-            return  # FSDP2 reduce-scatters the gradients; the algorithms run over it average weights only
+        if self._core.fsdp2:  # FSDP2 reduce-scatters the gradients inside the node; allreduce averages them across
+            if distributed and sharded.averages_gradients(self.algorithm):
+                private = self._core.replica.private_group("allreduce")
+                self._core.hooks.keep(sharded.ReplicaAllReduce(self.module, private))
+            return
         if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:
             self._build_reducer(group if distributed else None)
 
@@ -567,6 +570,10 @@ class DataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside this block accumulate local
         gradients without communicating; the next synchronized one averages the sum."""
+        if self._core.fsdp2 and self.algorithm.reduces_gradients and not self.algorithm.stops_gradient_sync:
+            sharded.refuse_call(
+                f"no_sync() with {self.algorithm.name}", "; FSDP2's set_requires_gradient_sync is its own"
+            )
         previous = self._require_sync
         self._require_sync = False
         try:

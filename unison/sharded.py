@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-#: The algorithms that run over FSDP2's local shards, and the options they must be given.
-SUPPORTED = ("local_sgd", "diloco")
+#: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
+SUPPORTED = ("allreduce", "local_sgd", "diloco")
 
 _GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
 _HOW = (
@@ -137,6 +138,10 @@ def refuse(
         raise NotImplementedError(
             f"algorithm {name!r} {what}; over a module sharded by FSDP2 use one of {', '.join(SUPPORTED)}"
         )
+    if getattr(algorithm, "autotune", False):
+        raise NotImplementedError(
+            f"{name} with autotune=True is not built yet over FSDP2 (FSDP2 plans its own buckets); use autotune=False"
+        )
     if getattr(algorithm, "hierarchical", False):
         raise NotImplementedError(
             f"{name} with hierarchical=True is not built yet over FSDP2: the shard dimension is already the "
@@ -171,3 +176,37 @@ def refuse_dcp(model: nn.Module, what: str) -> None:
             "; save and load its state with torch.distributed.checkpoint (dcp.save(model.state_dict(), "
             "checkpoint_id=path), dcp.load) until unison.save supports it",
         )
+
+
+class ReplicaAllReduce:
+    """Gradient averaging over FSDP2 as torch's HSDP: each FSDPModule's reduce-scatter output (the
+    mean over the node's ranks of this rank's shard) divided by the replicas' number and summed
+    over their ``group``, in FSDP2's all-reduce hook; ``remove()`` takes the hooks off.
+
+    Example::
+
+        hooks = ReplicaAllReduce(model, replica.private_group("allreduce"))
+    """
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        size = dist.get_world_size(group)
+
+        def hook(reduced: torch.Tensor) -> None:
+            reduced.div_(size)
+            dist.all_reduce(reduced, group=group)
+
+        for m in self.modules:
+            m.set_all_reduce_hook(hook)
+
+    def remove(self) -> None:
+        for m in self.modules:
+            m.set_all_reduce_hook(None)  # type: ignore[arg-type]  # FSDP2 keeps None as "no hook"
+
+
+def averages_gradients(algorithm: Any) -> bool:
+    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (allreduce, by
+    ``ReplicaAllReduce``); the model-averaging algorithms leave them local to the node."""
+    return bool(algorithm.name == "allreduce")

@@ -187,9 +187,41 @@ def test_load_state_dict_over_fsdp2_keeps_the_local_shards():
         assert refused is not None and "replaced the local shard" in refused, refused
 
 
+def hsdp_and_allreduce() -> tuple[bool, bool]:
+    """allreduce over FSDP2 next to torch's own HSDP (fully_shard over the 2-D mesh), 20 steps."""
+    rank = dist.get_rank()
+    mesh = mesh_2d()
+    ours = sharded_net(mesh, 0)
+    theirs = built(0)
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    opts = [optimizer("sgd", ours.parameters()), optimizer("sgd", theirs.parameters())]
+    model = unison.DataParallel(ours, optimizer=opts[0], device_mesh=mesh["replicate"])
+    batches = [rank_batch(s, rank) for s in range(20)]
+    train(model, opts[0], batches)
+    train(theirs, opts[1], batches)
+    same = all(
+        torch.allclose(p.full_tensor(), q.full_tensor(), atol=1e-5, rtol=0)
+        for p, q in zip(ours.parameters(), theirs.parameters())
+    )
+    model.switch_to("local_sgd:period=100")  # allreduce's hooks leave with it: the nodes now drift
+    train(model, opts[0], [rank_batch(20, rank)])
+    full = torch.cat([p.full_tensor().reshape(-1) for p in ours.parameters()])
+    peers = [torch.empty_like(full) for _ in range(NODES)]
+    dist.all_gather(peers, full, group=mesh["replicate"].get_group())
+    return same, not torch.equal(peers[0], peers[1])
+
+
+def test_allreduce_over_fsdp2_is_torchs_hsdp():
+    for same, drifted in launch.run(hsdp_and_allreduce, NODES * PER_NODE):
+        assert same
+        assert drifted
+
+
 # ---- what is not built yet over FSDP2: refused on every rank, with the reason --------------------------------
 
-GRADIENTS = ("allreduce", "fp16", "bf16", "bytegrad", "powersgd", "demo", "qadam", "nonblocking", "daso")
+GRADIENTS = ("fp16", "bf16", "bytegrad", "powersgd", "demo", "qadam", "nonblocking", "daso")
 NOT_YET = ("async", "decentralized", "low_precision_decentralized", "sparseloco")
 
 
@@ -248,6 +280,17 @@ def after_construction(call):
     return attempt
 
 
+def after_allreduce(call):
+    def attempt(mesh):
+        model = wrapped(mesh, "allreduce")
+        try:
+            call(model)
+        finally:
+            model.close()
+
+    return attempt
+
+
 def saved(model):
     unison.save("/nonexistent/never-written.pt", model)
 
@@ -268,6 +311,13 @@ REFUSALS = {
         "hierarchical=True",
     ),
     "diloco hierarchical": (lambda m: wrapped(m, "diloco:hierarchical=True"), NotImplementedError, "hierarchical=True"),
+    "allreduce autotune": (lambda m: wrapped(m, "allreduce:autotune=True"), NotImplementedError, "autotune=True"),
+    "allreduce hierarchical": (
+        lambda m: wrapped(m, "allreduce:hierarchical=True"),
+        NotImplementedError,
+        "hierarchical",
+    ),
+    "allreduce no_sync": (after_allreduce(lambda model: model.no_sync().__enter__()), NotImplementedError, "no_sync()"),
     "local_sgd warm-up": (lambda m: wrapped(m, "local_sgd:warmup_steps=2"), NotImplementedError, "warmup_steps=2"),
     "fault_tolerant": (lambda m: wrapped(m, fault_tolerant=True), NotImplementedError, "fault_tolerant=True"),
     "nonfinite": (lambda m: wrapped(m, nonfinite="raise"), NotImplementedError, "nonfinite='raise'"),
@@ -284,9 +334,9 @@ REFUSALS = {
     ),
     "join": (after_construction(lambda model: model.join()), NotImplementedError, "join()"),
     "switch_to": (
-        after_construction(lambda model: model.switch_to("allreduce")),
+        after_construction(lambda model: model.switch_to("powersgd")),
         NotImplementedError,
-        "'allreduce' averages gradients",
+        "'powersgd' averages gradients",
     ),
     "unison.save": (after_construction(saved), NotImplementedError, "torch.distributed.checkpoint"),
     "mixed parameters": (mixed, ValueError, "is a plain tensor"),
