@@ -571,9 +571,7 @@ class DataParallel(nn.Module):
         """Backward passes of forwards run inside this block accumulate local
         gradients without communicating; the next synchronized one averages the sum."""
         if self._core.fsdp2 and self.algorithm.reduces_gradients and not self.algorithm.stops_gradient_sync:
-            sharded.refuse_call(
-                f"no_sync() with {self.algorithm.name}", "; FSDP2's set_requires_gradient_sync is its own"
-            )
+            sharded.refuse_call(f"no_sync() with {self.algorithm.name}")
         previous = self._require_sync
         self._require_sync = False
         try:

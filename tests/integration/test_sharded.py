@@ -120,6 +120,40 @@ def test_model_averaging_over_fsdp2_is_that_of_the_unsharded_model(algorithm, op
             assert torch.allclose(value, expected[name], atol=1e-5, rtol=0), (rank, name)
 
 
+def streamed() -> dict:
+    """The defaults (fragments of the local shards synced in turn, each travelling a step or more)."""
+    rank = dist.get_rank()
+    mesh = mesh_2d()
+    replicate = mesh["replicate"].get_group()
+    out = {}
+    for algorithm in ("diloco:period=4", "local_sgd:period=4"):
+        net = sharded_net(mesh, rank // PER_NODE)
+        opt = optimizer("sgd", net.parameters())
+        model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm, device_mesh=mesh["replicate"])
+        state = model.algorithm_state
+        start = [s.detach().clone() for s in getattr(state, "snapshot", [])]
+        train(model, opt, [rank_batch(s, rank) for s in range(10)])
+        model.flush()
+        if start:  # diloco's global weights: shared by the replicas, moved by the outer steps
+            snapshot = torch.cat([s.detach().reshape(-1) for s in state.snapshot])
+            peers = [torch.empty_like(snapshot) for _ in range(NODES)]
+            dist.all_gather(peers, snapshot, group=replicate)
+            out["snapshot shared"] = torch.equal(peers[0], peers[1])
+            out["snapshot moved"] = not torch.equal(snapshot, torch.cat([s.reshape(-1) for s in start]))
+        model.average()
+        full = torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
+        everyone = [torch.empty_like(full) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, full)
+        out[f"{algorithm} equal after average()"] = all(torch.equal(f, everyone[0]) for f in everyone)
+        model.close()
+    return out
+
+
+def test_streamed_defaults_over_fsdp2_sync_the_shards():
+    for checks in launch.run(streamed, NODES * PER_NODE):
+        assert checks and all(checks.values()), checks
+
+
 SWITCHED = "diloco:period=2,fragments=1,delay=0"
 
 
@@ -291,6 +325,10 @@ def after_allreduce(call):
     return attempt
 
 
+def distributed_optimizer(mesh):
+    return unison.DistributedOptimizer(optimizer("sgd", sharded_net(mesh, 0).parameters()))
+
+
 def saved(model):
     unison.save("/nonexistent/never-written.pt", model)
 
@@ -339,6 +377,7 @@ REFUSALS = {
         "'powersgd' averages gradients",
     ),
     "unison.save": (after_construction(saved), NotImplementedError, "torch.distributed.checkpoint"),
+    "DistributedOptimizer": (distributed_optimizer, NotImplementedError, "DistributedOptimizer is not built yet"),
     "mixed parameters": (mixed, ValueError, "is a plain tensor"),
     "no device_mesh": (meshless, ValueError, "needs the mesh dimension"),
     "root not sharded": (root_unsharded, ValueError, "not an FSDPModule"),
