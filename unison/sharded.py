@@ -4,8 +4,9 @@ A model sharded with ``fully_shard`` over one dimension of a device mesh (the ra
 is wrapped with ``device_mesh`` set to another dimension of the same mesh (the nodes). Each
 rank's algorithm then works on its local shards, views that share storage with FSDP2's sharded
 parameters (what is written into them is what the next forward gathers), and talks only with
-the ranks that hold the same shards on the other nodes. What is not built yet over FSDP2 is
-refused here, at construction, with the reason.
+the ranks that hold the same shards on the other nodes; ``allreduce`` averages FSDP2's
+reduce-scattered gradients across them, as torch's HSDP does (``ReplicaAllReduce``). What is not
+built yet over FSDP2 is refused here, at construction, with the reason. See docs/nodes.md.
 """
 
 from __future__ import annotations
