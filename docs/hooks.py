@@ -56,7 +56,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 # What a user was doing when a module raises, by the module's path under unison/.
 GROUPS = [
     ("Starting the processes: `unison.init`, launchers", ("runtime/launch.py", "runtime/__init__.py")),
-    ("Wrapping the model: `DataParallel` and its options", ("parallel.py", "ddp_keywords.py", "core.py")),
+    ("Wrapping the model: `DataParallel` and its options", ("parallel.py", "ddp_keywords.py", "core.py", "sharded.py")),
     ("Choosing an algorithm and its options", ("algorithms/",)),
     (
         "Training steps: backward, hooks, `join`, debug mode",

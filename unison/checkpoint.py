@@ -36,6 +36,7 @@ from .engine.comm import all_gather_objects, broadcast_object, gather_objects, t
 from .engine.snapshot import seed_all, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
+from .sharded import refuse_dcp
 
 FORMAT = "unison.checkpoint"
 VERSION = 1
@@ -77,6 +78,7 @@ def save(
     fails to write, every rank raises instead of waiting forever.
     """
     path = os.fspath(path)
+    refuse_dcp(model, "unison.save")
     optimizers = _optimizer_list(optimizer)
     _check_plain(extra, "extra")
     rank, world = _rank_and_size(None)
@@ -151,6 +153,7 @@ def load(
     a different number of optimizers, or ranks that read different files.
     """
     path = os.fspath(path)
+    refuse_dcp(model, "unison.load")
     optimizers = _optimizer_list(optimizer)
     rank, world = _rank_and_size(None)
     checkpoint: Optional[dict] = None

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import sharded
 from .algorithms.contract import Algorithm
 from .engine import sparse as sparse_grads
 from .engine.buckets import MB
@@ -75,9 +76,14 @@ def check_bucket_cap(bucket_cap_mb: Any) -> float:
     return bucket_cap_mb  # as given: 25 stays 25 in messages
 
 
-def parameter_entries(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[Any, ...]]:
-    """What the ranks must agree on about parameters: name, shape, dtype, trainable."""
-    return [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+def parameter_entries(
+    named: Iterable[tuple[str, torch.Tensor]], requires_grad: Optional[Sequence[bool]] = None
+) -> list[tuple[Any, ...]]:
+    """What the ranks must agree on about parameters: name, shape, dtype, trainable (``requires_grad``
+    where the tensors cannot say: FSDP2's local shards)."""
+    named = list(named)
+    flags = [p.requires_grad for _, p in named] if requires_grad is None else requires_grad
+    return [("parameter", n, tuple(p.shape), str(p.dtype), f) for (n, p), f in zip(named, flags)]
 
 
 def describe_entry(entry: tuple[Any, ...]) -> str:
@@ -192,6 +198,8 @@ class Core:
         modules: the modules whose forwards the algorithm may hook.
         broadcast_buffers: whether buffers follow rank 0's.
         bucket_cap_mb: the gradient bucket size, in MiB.
+        requires_grad: per parameter, whether it is trained, where the tensors cannot say
+            (FSDP2's local shards; ``Replica``).
 
     Example::
 
@@ -210,6 +218,7 @@ class Core:
         modules: Sequence[nn.Module] = (),
         broadcast_buffers: bool = True,
         bucket_cap_mb: float = 25,
+        requires_grad: Optional[Sequence[bool]] = None,
     ) -> None:
         self.algorithm = algorithm
         self.tag = tag
@@ -220,7 +229,15 @@ class Core:
         self.reducer: Optional[GradReducer] = None
         self.dispatcher: Optional[Dispatcher] = None
         self.replica = Replica(
-            named_parameters, named_buffers, self.optimizers, group, tag, self, modules, broadcast_buffers
+            named_parameters,
+            named_buffers,
+            self.optimizers,
+            group,
+            tag,
+            self,
+            modules,
+            broadcast_buffers,
+            requires_grad,
         )
         # What algorithms and engines that have left sent, and their synchronized backward passes.
         self.retired_bytes = 0
@@ -231,6 +248,8 @@ class Core:
         self.fault: FaultPolicy = NoFaultTolerance()
         #: Keep the saved local gradients fault tolerance redoes a round from on the host (``ft_offload``).
         self.saved_on_host = False
+        #: The parameters are FSDP2's local shards: algorithms not built over them are refused.
+        self.fsdp2 = False
 
     # ---- the wrapper's calls ------------------------------------------------------------
     @contextmanager
@@ -274,6 +293,8 @@ class Core:
         ``switch_to`` stops the running one. The model is the same on every rank, so every rank raises."""
         sparse_positions(algorithm, self.replica.trainable, self.replica.modules)
         self.fault.refuse(algorithm)
+        if self.fsdp2:
+            sharded.refuse(algorithm)
 
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""

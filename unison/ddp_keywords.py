@@ -53,15 +53,6 @@ HONOURED = (
 Device = Union[int, str, torch.device]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """A tensor-parallel (sharded) parameter; False where torch has no distributed tensors."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
 @dataclass(frozen=True)
 class Keywords:
     """torch DDP's keywords with their meaning here (torch's defaults).
@@ -161,8 +152,8 @@ def buffer_sync(
 def group_of(process_group: Any, device_mesh: Any) -> Any:
     """The process group the replicas talk over: ``process_group``, or ``device_mesh``'s.
 
-    torch's checks: not both (RuntimeError), a 1-D mesh only (RuntimeError). A mesh
-    whose parameters are DTensors (tensor parallelism with DDP) is refused by ``check_module``.
+    torch's checks: not both (RuntimeError), a 1-D mesh only (RuntimeError). A module
+    whose parameters are DTensors is checked by ``unison.sharded.check`` (FSDP2 only).
     """
     if device_mesh is None:
         return process_group
@@ -187,13 +178,7 @@ def check_module(
             "unison.DataParallel does not support parameters and buffers to ignore "
             f"(_ddp_params_and_buffers_to_ignore: {sorted(ignored)}); every parameter and buffer is kept in agreement"
         )
-    params = [p for _, p in module.named_parameters()]
-    sharded = [n for n, p in module.named_parameters() if _is_dtensor(p)]
-    if sharded:
-        raise NotImplementedError(
-            f"parameter {sharded[0]!r} is a DTensor (tensor parallelism): unison.DataParallel averages plain "
-            "tensors only; use torch DDP or FSDP over a device mesh for tensor-parallel modules"
-        )
+    params = [p for _, p in module.named_parameters()]  # DTensors: unison.sharded.check accepted them
     if not any(p.requires_grad for p in params):
         raise RuntimeError(
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."

@@ -136,6 +136,10 @@ class Hooks:
         """The handles of the forward hooks on modules (a pickled wrapper leaves them out)."""
         return tuple(self._handles)
 
+    def keep(self, handle: Any) -> None:
+        """Remove ``handle`` (anything with ``remove()``) with the algorithm's other hooks."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         """Remove every hook registered for the algorithm (it is leaving)."""
         for handle in self._handles:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms as algos
+from . import sharded
 from .algorithms.gradient.qadam_optimizer import QAdamOptimizer
 from .core import (
     ALGORITHM_KEY,
@@ -89,6 +90,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer, got {steps!r}")
         check_bucket_cap(bucket_cap_mb)
+        if any(sharded.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+            sharded.refuse_call(
+                "DistributedOptimizer",
+                "; wrap the sharded module instead: DataParallel(model, device_mesh=mesh['replicate'], optimizer=opt)",
+            )
         self.optimizer = optimizer
         self.backward_passes_per_step = steps
         self.bucket_cap_mb = bucket_cap_mb

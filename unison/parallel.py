@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
-from . import comm_hook, ddp_keywords, pickling
+from . import comm_hook, ddp_keywords, pickling, sharded
 from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
 from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
@@ -163,8 +163,12 @@ class DataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
         group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
+        if fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
+            sharded.refuse_call("fault_tolerant=True")  # before joining_member, which talks to the launcher
         worker = joining_member(fault_tolerant, algorithm, group, optimizer)
         self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
+        if debug is None:
+            debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
         # Checks that may differ between ranks are agreed on before any other collective.
         with raised_everywhere(self.process_group if worker is None else None):
             torch_keywords = ddp_keywords.parse(ddp_kwargs, stacklevel=3)
@@ -184,14 +188,17 @@ class DataParallel(nn.Module):
                     "find_unused_parameters=True needs negotiate_grads=True (negotiation is how unison finds them); "
                     "with negotiate_grads=False a parameter with no gradient anywhere gets a zero gradient"
                 )
+            fsdp2 = sharded.check(module, torch_keywords.device_mesh)
+            if fsdp2:
+                custom = "reduce_function" if reduce_function is not None else None
+                custom = "broadcast_function" if broadcast_function is not None else custom
+                sharded.refuse(algos.as_algorithm(algorithm), nonfinite=nonfinite, debug=bool(debug), custom=custom)
             device_ids, output_device = ddp_keywords.check_module(
                 module, torch_keywords.device_ids, torch_keywords.output_device
             )
             runtime_buffers, initial_buffers = ddp_keywords.buffer_sync(
                 broadcast_buffers, torch_keywords.forward_sync_buffers, stacklevel=3
             )
-        if debug is None:
-            debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
 
         self.module = module
         self.broadcast_buffers = runtime_buffers
@@ -220,7 +227,8 @@ class DataParallel(nn.Module):
         self._step_group: Optional[dist.ProcessGroup] = None
         self.serial = new_tag("model")
 
-        named = list(module.named_parameters())
+        # Over FSDP2 the algorithm trains the local shards, talking across the replicate dimension.
+        named, requires_grad = sharded.local_parameters(module) if fsdp2 else (list(module.named_parameters()), None)
         self._core = Core(
             algos.as_algorithm(algorithm),
             named,
@@ -230,7 +238,9 @@ class DataParallel(nn.Module):
             modules=list(module.modules()),
             broadcast_buffers=runtime_buffers,
             bucket_cap_mb=bucket_cap_mb,
+            requires_grad=requires_grad,
         )
+        self._core.fsdp2 = fsdp2
         self.optimizers = self._core.optimizers
         if optimizer is not None:
             for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
@@ -270,7 +280,7 @@ class DataParallel(nn.Module):
                 self._broadcast_function(tensors, self.process_group)
 
     def _check_ranks_agree(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        entries = parameter_entries(named)
+        entries = parameter_entries(named, self._core.replica.requires_grad)
         entries += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
         entries += [
             ("setting", "algorithm", self.algorithm.describe()),
@@ -293,6 +303,11 @@ class DataParallel(nn.Module):
         events = self._core.start()
         group = events.gradient_group() if self.process_group is not None else None
         distributed = group is not None and dist.get_world_size(group) > 1
+        if self._core.fsdp2:  # FSDP2 reduce-scatters the gradients inside the node; allreduce averages them across
+            if distributed and sharded.averages_gradients(self.algorithm):
+                private = self._core.replica.private_group("allreduce")
+                self._core.hooks.keep(sharded.ReplicaAllReduce(self.module, private))
+            return
         if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:
             self._build_reducer(group if distributed else None)
 
@@ -495,6 +510,8 @@ class DataParallel(nn.Module):
                     optimizer.step()
         """
         self._require_live("join()")
+        if self._core.fsdp2:
+            sharded.refuse_call("join()")
         return Join(self.join_hook(), divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def join_hook(self) -> JoinHook:
@@ -530,14 +547,14 @@ class DataParallel(nn.Module):
             return
         events.average()
         with torch.no_grad():
-            params = list(self.module.parameters())
+            params = self._core.replica.parameters  # the module's, or FSDP2's local shards
             if params:
                 default_reduce(params, self.process_group)
             buffers = list(self.module.buffers())
             if buffers and self.broadcast_buffers:
                 self._broadcast_function(buffers, self.process_group)
         if self.algorithm.replicas_drift:
-            self._core.retired_bytes += average_optimizer_states(self.optimizers, self.process_group)
+            self._core.retired_bytes += average_optimizer_states(self.optimizers, self.process_group, sharded.local)
 
     def flush(self) -> None:
         """Finish the algorithm's pending communication and updates now (eval() and state_dict() do this too)."""
@@ -553,6 +570,8 @@ class DataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside this block accumulate local
         gradients without communicating; the next synchronized one averages the sum."""
+        if self._core.fsdp2 and self.algorithm.reduces_gradients and not self.algorithm.stops_gradient_sync:
+            sharded.refuse_call(f"no_sync() with {self.algorithm.name}")
         previous = self._require_sync
         self._require_sync = False
         try:
@@ -638,6 +657,8 @@ class DataParallel(nn.Module):
             model.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
         """
         self._require_live("register_comm_hook()")
+        if self._core.fsdp2:
+            sharded.refuse_call("register_comm_hook()")
         kind, state, hook = comm_hook.form(state, hook)
         if kind == comm_hook.PFN:
             if not callable(hook):
@@ -693,6 +714,8 @@ class DataParallel(nn.Module):
             entry, strict, "model", _SWITCH_FIRST
         )  # before any weight changes
         result = self.module.load_state_dict(state, strict=strict, assign=assign)
+        if self._core.fsdp2:
+            sharded.check_views(self.module, self._core.replica.named_parameters)
         if ours and entry is not None:
             self._core.events.load_state_dict(entry["state"])
         return result

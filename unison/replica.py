@@ -72,6 +72,8 @@ class Replica:
         modules: the modules whose forwards the algorithm may hook (empty for
             an optimizer-side wrapper).
         broadcast_buffers: whether buffers follow rank 0's.
+        requires_grad: per parameter, whether it is trained, where the tensors cannot say
+            (the local shards of FSDP2's DTensors; default: each tensor's ``requires_grad``).
 
     Example::
 
@@ -90,8 +92,17 @@ class Replica:
         wiring: Optional[Wiring] = None,
         modules: Sequence[nn.Module] = (),
         broadcast_buffers: bool = True,
+        requires_grad: Optional[Sequence[bool]] = None,
     ) -> None:
         self.named_parameters = list(named_parameters)
+        if requires_grad is not None and len(requires_grad) != len(self.named_parameters):
+            raise ValueError(
+                f"requires_grad has {len(requires_grad)} flags for {len(self.named_parameters)} parameters"
+            )
+        #: Per parameter, whether it is trained.
+        self.requires_grad = (
+            list(requires_grad) if requires_grad is not None else [p.requires_grad for _, p in self.named_parameters]
+        )
         self.named_buffers = list(named_buffers)
         self.optimizers = optimizers
         self.group = group
@@ -116,7 +127,7 @@ class Replica:
     @property
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of the parameters that require grad."""
-        return [(n, p) for n, p in self.named_parameters if p.requires_grad]
+        return [(n, p) for (n, p), trained in zip(self.named_parameters, self.requires_grad) if trained]
 
     @property
     def buffers(self) -> list[torch.Tensor]:

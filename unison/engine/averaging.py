@@ -10,7 +10,7 @@ are divided by the world size before the sum so fp16 cannot overflow.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -149,14 +149,19 @@ def default_reduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Process
     average_(tensors, group)
 
 
-def average_optimizer_states(optimizers: Sequence[torch.optim.Optimizer], group: Optional[dist.ProcessGroup]) -> int:
+def average_optimizer_states(
+    optimizers: Sequence[torch.optim.Optimizer],
+    group: Optional[dist.ProcessGroup],
+    view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> int:
     """Average the optimizers' floating-point state tensors (momenta, Adam moments) over ``group``; returns the bytes sent.
 
     Training on local gradients leaves them different on every rank, so
     after the weights are averaged the replicas would drift apart again under
     gradient averaging. Only entries every rank holds, with the same shape and
     dtype, are averaged (a parameter that never had a gradient on some rank
-    has no state there); scalar entries (step counts) are left alone. A
+    has no state there); scalar entries (step counts) are left alone. ``view``
+    gives the tensor averaged in place of each entry (FSDP2's: its local shard). A
     collective: every rank calls it.
     """
     entries = []
@@ -165,6 +170,7 @@ def average_optimizer_states(optimizers: Sequence[torch.optim.Optimizer], group:
             for k, p in enumerate(param_group["params"]):
                 for key, value in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                        value = view(value)
                         entries.append(((i, j, k, str(key), tuple(value.shape), str(value.dtype)), value))
     gathered = all_gather_objects([sig for sig, _ in entries], group)
     common = set(gathered[0]).intersection(*gathered[1:])

@@ -1,0 +1,213 @@
+"""FSDP2 modules under DataParallel: the checks and local views that DTensor parameters need.
+
+A model sharded with ``fully_shard`` over one dimension of a device mesh (the ranks of a node)
+is wrapped with ``device_mesh`` set to another dimension of the same mesh (the nodes). Each
+rank's algorithm then works on its local shards, views that share storage with FSDP2's sharded
+parameters (what is written into them is what the next forward gathers), and talks only with
+the ranks that hold the same shards on the other nodes; ``allreduce`` averages FSDP2's
+reduce-scattered gradients across them, as torch's HSDP does (``ReplicaAllReduce``). What is not
+built yet over FSDP2 is refused here, at construction, with the reason. See docs/nodes.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
+SUPPORTED = ("allreduce", "local_sgd", "diloco")
+
+_GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
+_HOW = (
+    "shard the model with fully_shard(block, mesh=mesh['shard']) for its blocks and the root, and pass "
+    "DataParallel(model, device_mesh=mesh['replicate'], ...) with mesh = init_device_mesh(device, "
+    "(nodes, per_node), mesh_dim_names=('replicate', 'shard'))"
+)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A distributed tensor (FSDP2's or tensor parallelism's); False where torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard if it is a DTensor (a view sharing its storage), else ``t``.
+
+    Taken under ``no_grad``: with gradients enabled ``to_local`` is an autograd function
+    whose output cannot be written in place.
+    """
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()  # type: ignore[attr-defined]
+
+
+def check(module: nn.Module, device_mesh: Any) -> bool:
+    """Whether ``module`` is sharded by FSDP2; raise if it is in a way unison cannot run.
+
+    Accepted: every parameter a DTensor sharded (``Shard`` placements) over a 1-D mesh that is
+    another dimension of the same root mesh as ``device_mesh`` (1-D), and ``module`` an
+    ``FSDPModule`` (``fully_shard`` applied to the root). Refused with what to do instead:
+    plain and DTensor parameters mixed, no ``device_mesh``, other placements (tensor
+    parallelism), another mesh.
+    """
+    named = list(module.named_parameters())
+    sharded = [n for n, p in named if is_dtensor(p)]
+    if not sharded:
+        return False
+    plain = [n for n, p in named if not is_dtensor(p)]
+    if plain:
+        raise ValueError(
+            f"parameter {sharded[0]!r} is a DTensor but {plain[0]!r} is a plain tensor: unison runs over a "
+            f"module whose parameters are all sharded by FSDP2 or none is; apply fully_shard to the root "
+            f"module too (fully_shard(model, mesh=mesh['shard'])), which shards the parameters left"
+        )
+    if device_mesh is None:
+        raise ValueError(
+            f"parameter {sharded[0]!r} is a DTensor (the module is sharded), so DataParallel needs the mesh "
+            f"dimension it runs across: {_HOW}"
+        )
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
+    root = device_mesh._get_root_mesh()
+    for name, p in named:
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        if mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in placements):
+            raise NotImplementedError(
+                f"parameter {name!r} is a DTensor placed {tuple(placements)} on a {mesh.ndim}-D mesh: unison "
+                f"runs over FSDP2's sharding (fully_shard over a 1-D mesh) only, not tensor parallelism or "
+                f"torch's own HSDP (fully_shard with a 2-D mesh); {_HOW}"
+            )
+        if mesh._get_root_mesh() is not root or mesh.mesh_dim_names == device_mesh.mesh_dim_names:
+            raise ValueError(
+                f"parameter {name!r} is sharded over mesh {mesh}, which is not another dimension of the mesh "
+                f"device_mesh={device_mesh} was taken from: {_HOW}"
+            )
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"the module's parameters are DTensors but the module is not an FSDPModule: {_HOW} "
+            "(fully_shard on the root module)"
+        )
+    return True
+
+
+def local_parameters(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[bool]]:
+    """``(name, local shard)`` of every parameter and whether each is trained.
+
+    A local shard does not require grad itself (FSDP2's gradients are DTensors of the
+    parameters), so whether it is trained is the DTensor's ``requires_grad``. Taken at
+    construction: FSDP2 keeps the same local tensors across forwards, backwards and
+    optimizer steps (``check_views`` says when it rebound one).
+    """
+    named = list(module.named_parameters())
+    # Typed as parameters: what the Replica trains (algorithms read and write them as tensors).
+    return [(n, cast(nn.Parameter, local(p))) for n, p in named], [p.requires_grad for _, p in named]
+
+
+def check_views(module: nn.Module, views: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise if FSDP2 rebound a parameter's local shard since ``views`` were taken
+    (``module.to()``, ``load_state_dict(assign=True)``): the algorithm would train stale copies."""
+    for (name, p), (_, view) in zip(module.named_parameters(), views):
+        if local(p).data_ptr() != view.data_ptr():
+            raise RuntimeError(
+                f"FSDP2 replaced the local shard of parameter {name!r} after DataParallel was built (by .to(), "
+                "load_state_dict(assign=True), or a new fully_shard): wrap the module again"
+            )
+
+
+def refuse(
+    algorithm: Any,
+    *,
+    fault_tolerant: bool = False,
+    nonfinite: Optional[str] = None,
+    debug: bool = False,
+    custom: Optional[str] = None,
+) -> None:
+    """Raise NotImplementedError naming the reason if ``algorithm`` or an option cannot run over
+    FSDP2 yet (at construction and at ``switch_to``, the same on every rank)."""
+    name = algorithm.name
+    if name not in SUPPORTED:
+        what = _GRADIENTS if algorithm.reduces_gradients else "is not built yet over FSDP2"
+        raise NotImplementedError(
+            f"algorithm {name!r} {what}; over a module sharded by FSDP2 use one of {', '.join(SUPPORTED)}"
+        )
+    if getattr(algorithm, "autotune", False):
+        raise NotImplementedError(
+            f"{name} with autotune=True is not built yet over FSDP2 (FSDP2 plans its own buckets); use autotune=False"
+        )
+    if getattr(algorithm, "hierarchical", False):
+        raise NotImplementedError(
+            f"{name} with hierarchical=True is not built yet over FSDP2: the shard dimension is already the "
+            "node's; use hierarchical=False"
+        )
+    if getattr(algorithm, "warmup_steps", 0):
+        raise NotImplementedError(
+            f"local_sgd with warmup_steps={algorithm.warmup_steps} averages gradients during its warm-up, which "
+            "is not built yet over FSDP2; use warmup_steps=0"
+        )
+    for given, option in (
+        (fault_tolerant, "fault_tolerant=True"),
+        (nonfinite is not None, f"nonfinite={nonfinite!r}"),
+        (debug, "debug=True"),
+        (custom is not None, f"{custom}"),
+    ):
+        if given:
+            raise NotImplementedError(f"DataParallel's {option} is not built yet over a module sharded by FSDP2")
+
+
+def refuse_call(what: str, instead: str = "") -> None:
+    """Raise NotImplementedError: ``what`` (a call) is not built yet over FSDP2."""
+    raise NotImplementedError(f"{what} is not built yet over a module sharded by FSDP2{instead}")
+
+
+def refuse_dcp(model: nn.Module, what: str) -> None:
+    """Raise NotImplementedError if ``model`` is sharded by FSDP2: ``what`` (``unison.save`` or
+    ``unison.load``) writes whole tensors from rank 0; torch.distributed.checkpoint writes shards."""
+    if any(is_dtensor(p) for p in model.parameters()):
+        refuse_call(
+            what,
+            "; save and load its state with torch.distributed.checkpoint (dcp.save(model.state_dict(), "
+            "checkpoint_id=path), dcp.load) until unison.save supports it",
+        )
+
+
+class ReplicaAllReduce:
+    """Gradient averaging over FSDP2 as torch's HSDP: each FSDPModule's reduce-scatter output (the
+    mean over the node's ranks of this rank's shard) divided by the replicas' number and summed
+    over their ``group``, in FSDP2's all-reduce hook; ``remove()`` takes the hooks off.
+
+    Example::
+
+        hooks = ReplicaAllReduce(model, replica.private_group("allreduce"))
+    """
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        size = dist.get_world_size(group)
+
+        def hook(reduced: torch.Tensor) -> None:
+            reduced.div_(size)
+            dist.all_reduce(reduced, group=group)
+
+        for m in self.modules:
+            m.set_all_reduce_hook(hook)
+
+    def remove(self) -> None:
+        for m in self.modules:
+            m.set_all_reduce_hook(None)  # type: ignore[arg-type]  # FSDP2 keeps None as "no hook"
+
+
+def averages_gradients(algorithm: Any) -> bool:
+    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (allreduce, by
+    ``ReplicaAllReduce``); the model-averaging algorithms leave them local to the node."""
+    return bool(algorithm.name == "allreduce")
