@@ -77,41 +77,56 @@ def sharded_net(mesh, node: int) -> Net:
     return net
 
 
-def unsharded_run(algorithm: str, opt_name: str) -> dict:
-    """The reference: one process per node, each with the node's whole batch."""
+#: (algorithm, inner optimizer) held to the unsharded model
+AVERAGING = [
+    ("local_sgd:period=3,fragments=1,delay=0", "sgd"),
+    ("diloco:period=3,fragments=1,delay=0", "adamw"),
+    ("diloco:period=2,fragments=1,delay=0,outer_momentum=0.9", "sgd"),
+]
+
+
+def unsharded_runs() -> list[dict]:
+    """The reference: one process per node, each with the node's whole batch; every case of ``AVERAGING``."""
     node = dist.get_rank()
-    net = built(node)
-    opt = optimizer(opt_name, net.parameters())
-    model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm)
-    train(model, opt, [node_batch(s, node) for s in range(STEPS)])
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+    out = []
+    for algorithm, opt_name in AVERAGING:
+        net = built(node)
+        opt = optimizer(opt_name, net.parameters())
+        model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm)
+        train(model, opt, [node_batch(s, node) for s in range(STEPS)])
+        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        model.close()
+    return out
 
 
-def sharded_run(algorithm: str, opt_name: str) -> dict:
-    """FSDP2 over each node's 2 ranks, unison across the nodes; the full weights each rank sees."""
+def sharded_runs() -> list[dict]:
+    """FSDP2 over each node's 2 ranks, unison across the nodes; the full weights each rank sees, per case."""
     rank = dist.get_rank()
     node = rank // PER_NODE
     mesh = mesh_2d()
-    net = sharded_net(mesh, node)
-    opt = optimizer(opt_name, net.parameters())
-    model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm, device_mesh=mesh["replicate"])
-    local = [p.to_local().data_ptr() for p in net.parameters()]
-    train(model, opt, [rank_batch(s, rank) for s in range(STEPS)])
-    assert [p.to_local().data_ptr() for p in net.parameters()] == local  # FSDP2 kept its local tensors
-    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+    out = []
+    for algorithm, opt_name in AVERAGING:
+        net = sharded_net(mesh, node)
+        opt = optimizer(opt_name, net.parameters())
+        model = unison.DataParallel(net, optimizer=opt, algorithm=algorithm, device_mesh=mesh["replicate"])
+        local = [p.to_local().data_ptr() for p in net.parameters()]
+        train(model, opt, [rank_batch(s, rank) for s in range(STEPS)])
+        assert [p.to_local().data_ptr() for p in net.parameters()] == local  # FSDP2 kept its local tensors
+        out.append({n: p.full_tensor().detach().clone() for n, p in net.named_parameters()})
+        model.close()
+    return out
 
 
-@pytest.mark.parametrize(
-    "algorithm, opt_name",
-    [
-        ("local_sgd:period=3,fragments=1,delay=0", "sgd"),
-        ("diloco:period=3,fragments=1,delay=0", "adamw"),
-        ("diloco:period=2,fragments=1,delay=0,outer_momentum=0.9", "sgd"),
-    ],
-)
-def test_model_averaging_over_fsdp2_is_that_of_the_unsharded_model(algorithm, opt_name):
-    reference = launch.run(unsharded_run, NODES, algorithm, opt_name)
-    sharded = launch.run(sharded_run, NODES * PER_NODE, algorithm, opt_name)
+@pytest.fixture(scope="module")
+def averaged():
+    """Every case run once unsharded (2 processes) and once over FSDP2 (4): one launch each."""
+    return launch.run(unsharded_runs, NODES), launch.run(sharded_runs, NODES * PER_NODE)
+
+
+@pytest.mark.parametrize("case", range(len(AVERAGING)), ids=[a for a, _ in AVERAGING])
+def test_model_averaging_over_fsdp2_is_that_of_the_unsharded_model(averaged, case):
+    reference = [r[case] for r in averaged[0]]
+    sharded = [r[case] for r in averaged[1]]
     assert not all(torch.equal(reference[0][n], reference[1][n]) for n in reference[0])  # the nodes drifted
     for rank, weights in enumerate(sharded):
         expected = reference[rank // PER_NODE]
