@@ -286,7 +286,12 @@ def main(argv=None) -> int:
     if not args.baseline:
         names = ["allreduce"] + names
     for n in names:
-        unison.algorithms.create(n.partition("@")[0])  # an unknown name or option fails here, before any process starts
+        algorithm = unison.algorithms.create(n.partition("@")[0])  # an unknown name or option fails here
+        if args.clip and getattr(algorithm, "sign", False):
+            raise SystemExit(
+                f"{n} steps on the sign of its direction, +-1 in every coordinate (norm sqrt(P)): --clip "
+                f"{args.clip} would shrink each of its steps sqrt(P)-fold; run it without --clip"
+            )
     cfg = {
         k: getattr(args, k)
         for k in (
