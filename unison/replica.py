@@ -99,10 +99,10 @@ class Replica:
             raise ValueError(
                 f"requires_grad has {len(requires_grad)} flags for {len(self.named_parameters)} parameters"
             )
-        #: Per parameter, whether it is trained.
-        self.requires_grad = (
-            list(requires_grad) if requires_grad is not None else [p.requires_grad for _, p in self.named_parameters]
-        )
+        # FSDP2's local shards cannot say whether they are trained: their DTensors' flags, fixed at
+        # construction; otherwise each tensor's own, read as ``named_parameters`` stands now
+        # (DistributedOptimizer.add_param_group replaces it).
+        self._requires_grad = list(requires_grad) if requires_grad is not None else None
         self.named_buffers = list(named_buffers)
         self.optimizers = optimizers
         self.group = group
@@ -123,6 +123,13 @@ class Replica:
     @property
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters]
+
+    @property
+    def requires_grad(self) -> list[bool]:
+        """Per parameter, whether it is trained."""
+        if self._requires_grad is not None:
+            return self._requires_grad
+        return [p.requires_grad for _, p in self.named_parameters]
 
     @property
     def trainable(self) -> list[tuple[str, nn.Parameter]]:

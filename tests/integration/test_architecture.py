@@ -101,7 +101,8 @@ def test_the_upward_import_is_data():
 
 # Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions,
 # c10d's _world: the count that names unnamed groups, put back after a failed regroup, autograd's
-# sequence numbers, which order a forward's ops for nonblocking's check, ...).
+# sequence numbers, which order a forward's ops for nonblocking's check, DeviceMesh's root mesh,
+# which says whether FSDP2's mesh and device_mesh are dimensions of one mesh, ...).
 TORCH_PRIVATE = {
     "_C",
     "_autograd",
@@ -115,6 +116,7 @@ TORCH_PRIVATE = {
     "_pytree",
     "_foreach",
     "_world",
+    "_get_root_mesh",
 }
 
 
