@@ -134,14 +134,17 @@ class Momenta:
         entry = self._entries.get(key)
         if entry is None:
             self._retire(set(key))
-            tiles = None
-            if self.density is not None:
-                tiles = Tiles([v.shape for v in bucket.views], "tiles", self.chunk, self.density)
-            entry = self._entries[key] = Entry(list(bucket.views), self.chunk, bucket.flat.device, tiles)
+            entry = self._entries[key] = Entry(list(bucket.views), self.chunk, bucket.flat.device, self.tiles(bucket))
             for name, view in zip(key, entry.views):
                 if name in self._loose:
                     view.copy_(self._loose.pop(name).reshape(view.shape))
         return entry
+
+    def tiles(self, bucket: Bucket) -> Optional[Tiles]:
+        """``layout="tiles"``: the bucket's tiles (None: chunks)."""
+        if self.density is None:
+            return None
+        return Tiles([v.shape for v in bucket.views], "tiles", self.chunk, self.density)
 
     def _retire(self, names: set[str]) -> None:
         """Turn the entries of buckets sharing any of ``names`` (a re-plan) back into per-parameter tensors."""
@@ -424,7 +427,8 @@ class Demo(Algorithm[DemoState]):
             if key not in state.wire:
                 if not bucket.flat.numel():
                     return 0
-                tiles = Tiles([v.shape for v in bucket.views], "tiles", self.chunk, self.topk / self.chunk)
+                tiles = state.momenta.tiles(bucket)
+                assert tiles is not None
                 state.wire[key] = self._tiled_codec(tiles, torch.device("cpu")).nbytes
             return (world_size - 1) * state.wire[key]
         padded = sum(-(-v.numel() // self.chunk) * self.chunk for v in bucket.views)
