@@ -30,6 +30,7 @@ benchmarks/results/charlm.json (or --json PATH).
         --algorithms allreduce,local_sgd:hierarchical=true,diloco:hierarchical=true   # 2 x 2
     python benchmarks/bench_charlm.py --betas 0.9,0.95 --weight-decay 0.1 --clip 1.0 \
         --schedule cosine --seeds 0,1,2 --algorithms sparseloco      # SparseLoCo's inner loop, 3 seeds
+    python benchmarks/bench_charlm.py --clip 1.0 --algorithms 'diloco,demo@sgd:1e-3:clip=0'   # demo unclipped
     python benchmarks/bench_charlm.py --algorithms demo --baseline benchmarks/results/charlm.json
         # allreduce taken from an earlier run with the same settings, not run again
 
@@ -70,14 +71,38 @@ def make_optimizer(
     learning rate instead (demo's paper: ``demo:sign=True@sgd:1e-3``, signum)."""
     algorithm, _, inner = name.partition("@")
     if inner:
-        kind, _, rate = inner.partition(":")
-        if kind not in INNER:
-            raise SystemExit(f"{name}: the optimizer after @ is one of {', '.join(INNER)}, got {kind!r}")
+        kind, rate, _ = inner_loop(name)
         extra = {"betas": betas} if kind == "adamw" else {}
-        return INNER[kind](params, lr=float(rate) if rate else lr, weight_decay=weight_decay, **extra)
+        return INNER[kind](params, lr=rate if rate is not None else lr, weight_decay=weight_decay, **extra)
     if algorithm.partition(":")[0] == "qadam":
         return unison.QAdamOptimizer(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def inner_loop(name: str) -> tuple[str, float | None, float | None]:
+    """The optimizer, learning rate and clip a contender written ``algorithm@KIND:LR:clip=C`` names
+    after its "@" (None where it names none): ``demo@sgd:1e-3:clip=0`` trains with SGD at 1e-3 and
+    no clipping whatever ``--clip`` says, as demo's paper runs it beside clipped contenders."""
+    inner = name.partition("@")[2]
+    if not inner:
+        return "", None, None
+    kind, _, rest = inner.partition(":")
+    if kind not in INNER:
+        raise SystemExit(f"{name}: the optimizer after @ is one of {', '.join(INNER)}, got {kind!r}")
+    rate, _, extra = rest.partition(":")
+    clip = None
+    if extra:
+        key, _, value = extra.partition("=")
+        if key != "clip" or not value:
+            raise SystemExit(f"{name}: after @{kind}:LR only :clip=C may follow, got {extra!r}")
+        clip = float(value)
+    return kind, float(rate) if rate else None, clip
+
+
+def clip_of(name: str, default: float) -> float:
+    """The gradient-norm clip contender ``name`` trains with: its own ``:clip=C``, else ``--clip``."""
+    own = inner_loop(name)[2]
+    return default if own is None else own
 
 
 def schedule(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup: int):
@@ -111,6 +136,7 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
     model = unison.DataParallel(net, optimizer=optimizer, algorithm=name.partition("@")[0])
     loader = unison.sharded_loader(train_set, batch_size=cfg["batch"], seed=cfg["seed"], drop_last=True)
     scheduler = schedule(optimizer, cfg["schedule"], cfg["epochs"] * len(loader), cfg["warmup"])
+    clip = clip_of(name, cfg.get("clip", 0.0))
     steps, epoch_loss = 0, float("nan")
     curve: list[list[float]] = []
     dist.barrier()
@@ -122,8 +148,8 @@ def train_one(name: str, cfg: dict, vocab_size: int, train_set, val_set) -> dict
             optimizer.zero_grad(set_to_none=True)
             loss = charlm.loss_fn(model(x), y)
             loss.backward()
-            if cfg.get("clip"):
-                torch.nn.utils.clip_grad_norm_(net.parameters(), cfg["clip"])
+            if clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             optimizer.step()
             scheduler.step()
             total += loss.item()
@@ -287,10 +313,12 @@ def main(argv=None) -> int:
         names = ["allreduce"] + names
     for n in names:
         algorithm = unison.algorithms.create(n.partition("@")[0])  # an unknown name or option fails here
-        if args.clip and getattr(algorithm, "sign", False):
+        clip = clip_of(n, args.clip)
+        if clip and getattr(algorithm, "sign", False):
             raise SystemExit(
-                f"{n} steps on the sign of its direction, +-1 in every coordinate (norm sqrt(P)): --clip "
-                f"{args.clip} would shrink each of its steps sqrt(P)-fold; run it without --clip"
+                f"{n} steps on the sign of its direction, +-1 in every coordinate (norm sqrt(P)): a clip of "
+                f"{clip} would shrink each of its steps sqrt(P)-fold; run it unclipped ({n.partition('@')[0]}"
+                f"@sgd:LR:clip=0 beside a --clip)"
             )
     cfg = {
         k: getattr(args, k)
