@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 #: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
-SUPPORTED = ("allreduce", "local_sgd", "diloco")
+SUPPORTED = ("allreduce", "local_sgd", "diloco", "sparseloco", "decentralized", "low_precision_decentralized", "async")
 
 _GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
 _HOW = (
@@ -150,7 +150,7 @@ def refuse(
         )
     if getattr(algorithm, "warmup_steps", 0):
         raise NotImplementedError(
-            f"local_sgd with warmup_steps={algorithm.warmup_steps} averages gradients during its warm-up, which "
+            f"{name} with warmup_steps={algorithm.warmup_steps} averages gradients during its warm-up, which "
             "is not built yet over FSDP2; use warmup_steps=0"
         )
     for given, option in (

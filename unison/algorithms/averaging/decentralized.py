@@ -116,10 +116,10 @@ class FlatParams:
             view.copy_(value)
 
 
-def flat_params_of(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[FlatParams]:
-    """The trainable ones of ``(name, parameter)`` pairs (``replica.named_parameters``), grouped
-    by dtype and device, in the order given."""
-    trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+def flat_params_of(trainable: Sequence[tuple[str, torch.Tensor]]) -> list[FlatParams]:
+    """``(name, parameter)`` pairs of trained parameters (``replica.trainable``: the Replica knows
+    which are trained; an FSDP2 local shard does not require grad itself), grouped by dtype and
+    device, in the order given."""
     groups = by_kind([p for _, p in trainable])
     return [FlatParams([trainable[i][0] for i in idx], [trainable[i][1] for i in idx]) for idx in groups]
 
