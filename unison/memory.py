@@ -4,8 +4,8 @@ The memory an algorithm costs is the copies of the parameters it keeps (in units
 of P, the parameters' bytes). ``live_tensor_bytes`` counts them deterministically,
 whatever the allocator does: every tensor the garbage collector tracks, plus the
 parameters' gradients and the optimizers' state (which torch creates lazily),
-each untyped storage counted once however many views share it. Tensors held only
-by C++ (a torch DDP reducer's own buckets, a collective in flight) are not seen.
+each untyped storage counted once however many views share it (a DTensor as its
+local shard). Tensors held only by C++ (a torch DDP reducer's own buckets, a collective in flight) are not seen.
 
 Example::
 
@@ -29,15 +29,22 @@ __all__ = ["live_tensor_bytes", "parameter_bytes", "peak_rss_bytes"]
 def _tensors(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor):  # not isinstance: some objects warn when asked their __class__
-            yield obj
+            yield _local(obj)
     for module in modules:
         for p in module.parameters():
-            yield p
+            yield _local(p)
             if p.grad is not None:
-                yield p.grad
+                yield _local(p.grad)
     for opt in optimizers:
         for state in opt.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+            yield from (_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer states: the wrapper has
+    no storage of its own), else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def live_tensor_bytes(
