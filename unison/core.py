@@ -516,6 +516,10 @@ class Core:
         if self.accepts(entry, strict, what, advice):
             self.events.load_state_dict(entry["state"])
 
+    def count_bytes(self, nbytes: int) -> None:
+        """Add ``nbytes`` sent outside the engines (FSDP2's all-reduce hook) to the totals."""
+        self.retired_bytes += nbytes
+
     @property
     def bytes_total(self) -> int:
         """Everything this rank sent: gradient buckets and the algorithm's own traffic."""

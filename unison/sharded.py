@@ -11,11 +11,13 @@ built yet over FSDP2 is refused here, at construction, with the reason. See docs
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .engine.comm import ring_bytes
 
 #: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
 SUPPORTED = ("allreduce", "local_sgd", "diloco", "sparseloco", "decentralized", "low_precision_decentralized", "async")
@@ -184,12 +186,17 @@ class ReplicaAllReduce:
     mean over the node's ranks of this rank's shard) divided by the replicas' number and summed
     over their ``group``, in FSDP2's all-reduce hook; ``remove()`` takes the hooks off.
 
+    ``count`` is told the bytes each all-reduce sends from this rank (a ring's ``2 (R - 1) / R``
+    of the shard's), so that ``comm_stats`` counts them as it counts the gradient buckets'.
+
     Example::
 
-        hooks = ReplicaAllReduce(model, replica.private_group("allreduce"))
+        hooks = ReplicaAllReduce(model, replica.private_group("allreduce"), core.count_bytes)
     """
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(
+        self, module: nn.Module, group: Optional[dist.ProcessGroup], count: Callable[[int], None] = lambda n: None
+    ) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self.modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -198,6 +205,7 @@ class ReplicaAllReduce:
         def hook(reduced: torch.Tensor) -> None:
             reduced.div_(size)
             dist.all_reduce(reduced, group=group)
+            count(ring_bytes(reduced.numel() * reduced.element_size(), size))
 
         for m in self.modules:
             m.set_all_reduce_hook(hook)

@@ -274,7 +274,7 @@ def test_load_state_dict_over_fsdp2_keeps_the_local_shards():
         assert refused is not None and "replaced the local shard" in refused, refused
 
 
-def hsdp_and_allreduce() -> tuple[bool, bool]:
+def hsdp_and_allreduce() -> tuple[bool, bool, bool]:
     """allreduce over FSDP2 next to torch's own HSDP (fully_shard over the 2-D mesh), 20 steps."""
     rank = dist.get_rank()
     mesh = mesh_2d()
@@ -292,18 +292,23 @@ def hsdp_and_allreduce() -> tuple[bool, bool]:
         torch.allclose(p.full_tensor(), q.full_tensor(), atol=1e-5, rtol=0)
         for p, q in zip(ours.parameters(), theirs.parameters())
     )
+    # comm_stats counts the hook's all-reduces: each rank's padded shard (rows rounded up to the
+    # node's ranks) sent once a step on 2 replicas (a ring's 2 (R - 1) / R of it)
+    shard = sum(-(-p.shape[0] // PER_NODE) * p[0].numel() * 4 for p in ours.parameters())
+    counted = model.comm_stats["bytes_total"] == 20 * shard
     model.switch_to("local_sgd:period=100")  # allreduce's hooks leave with it: the nodes now drift
     train(model, opts[0], [rank_batch(20, rank)])
     full = torch.cat([p.full_tensor().reshape(-1) for p in ours.parameters()])
     peers = [torch.empty_like(full) for _ in range(NODES)]
     dist.all_gather(peers, full, group=mesh["replicate"].get_group())
-    return same, not torch.equal(peers[0], peers[1])
+    return same, not torch.equal(peers[0], peers[1]), counted
 
 
 def test_allreduce_over_fsdp2_is_torchs_hsdp():
-    for same, drifted in launch.run(hsdp_and_allreduce, NODES * PER_NODE):
+    for same, drifted, counted in launch.run(hsdp_and_allreduce, NODES * PER_NODE):
         assert same
         assert drifted
+        assert counted
 
 
 # ---- what is not built yet over FSDP2: refused on every rank, with the reason --------------------------------
