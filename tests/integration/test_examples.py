@@ -25,14 +25,18 @@ RUNS = {
     "heat_migration.py": ("torchrun", []),
     "fault_tolerant.py": ("unison launch", ["--epochs", "1"]),
     "lightning_classifier.py": ("python", ["--max-epochs", "1"]),
+    "sharded.py": ("torchrun", ["--nodes", "2", "--epochs", "2"]),
 }
+#: torchrun's options where an example needs other than 2 processes
+PROCESSES = {"sharded.py": 4}
 
 
 def run_example(name: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
     how, args = RUNS[name]
     script = os.path.join(EXAMPLES, name)
     if how == "torchrun":
-        return launch.torchrun(script, *args, cwd=cwd, timeout=timeout)
+        nproc = ["--nproc-per-node", str(PROCESSES[name])] if name in PROCESSES else []
+        return launch.torchrun(*nproc, script, *args, cwd=cwd, timeout=timeout)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     if how == "unison launch":
@@ -100,3 +104,13 @@ def test_lightning_classifier(tmp_path):
     # The two processes share stdout, so their lines may interleave.
     weights = re.findall(r"rank \d: first weight (-?\d+\.\d+)", proc.stdout)
     assert len(weights) == 2 and weights[0] == weights[1], proc.stdout  # one model on both ranks
+
+
+def test_sharded_trains_fsdp2_inside_nodes_and_diloco_across(tmp_path):
+    proc = run_example("sharded.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(losses) == 2 and losses[1] < losses[0], proc.stdout  # rank 0 only, and it learns
+    assert "sent" in proc.stdout and "bytes per step across the nodes" in proc.stdout
+    weights = torch.load(tmp_path / "sharded.pt")  # the whole model, gathered from its shards
+    assert weights["0.weight"].shape == (256, 32) and all(torch.isfinite(w).all() for w in weights.values())
