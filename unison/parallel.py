@@ -306,7 +306,8 @@ class DataParallel(nn.Module):
         if self._core.fsdp2:  # FSDP2 reduce-scatters the gradients inside the node; allreduce averages them across
             if distributed and sharded.averages_gradients(self.algorithm):
                 private = self._core.replica.private_group("allreduce")
-                self._core.hooks.keep(sharded.ReplicaAllReduce(self.module, private, self._core.count_bytes))
+                wire = sharded.WIRE_DTYPES[self.algorithm.name]
+                self._core.hooks.keep(sharded.ReplicaAllReduce(self.module, private, self._core.count_bytes, wire))
             return
         if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:
             self._build_reducer(group if distributed else None)

@@ -5,7 +5,8 @@ is wrapped with ``device_mesh`` set to another dimension of the same mesh (the n
 rank's algorithm then works on its local shards, views that share storage with FSDP2's sharded
 parameters (what is written into them is what the next forward gathers), and talks only with
 the ranks that hold the same shards on the other nodes; ``allreduce`` averages FSDP2's
-reduce-scattered gradients across them, as torch's HSDP does (``ReplicaAllReduce``). What is not
+reduce-scattered gradients across them, as torch's HSDP does (``ReplicaAllReduce``; ``fp16`` and
+``bf16`` the same in half precision on the wire). What is not
 built yet over FSDP2 is refused here, at construction, with the reason. See docs/nodes.md.
 """
 
@@ -17,10 +18,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .engine import halfcast
 from .engine.comm import ring_bytes
 
 #: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
-SUPPORTED = ("allreduce", "local_sgd", "diloco", "sparseloco", "decentralized", "low_precision_decentralized", "async")
+SUPPORTED = (
+    "allreduce",
+    "fp16",
+    "bf16",
+    "local_sgd",
+    "diloco",
+    "sparseloco",
+    "decentralized",
+    "low_precision_decentralized",
+    "async",
+)
 
 _GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
 _HOW = (
@@ -184,7 +196,8 @@ def refuse_dcp(model: nn.Module, what: str) -> None:
 class ReplicaAllReduce:
     """Gradient averaging over FSDP2 as torch's HSDP: each FSDPModule's reduce-scatter output (the
     mean over the node's ranks of this rank's shard) divided by the replicas' number and summed
-    over their ``group``, in FSDP2's all-reduce hook; ``remove()`` takes the hooks off.
+    over their ``group``, in FSDP2's all-reduce hook; ``remove()`` takes the hooks off. With a
+    ``wire_dtype`` (fp16, bf16) the divided shard is cast in its own bytes, summed, and cast back.
 
     ``count`` is told the bytes each all-reduce sends from this rank (a ring's ``2 (R - 1) / R``
     of the shard's), so that ``comm_stats`` counts them as it counts the gradient buckets'.
@@ -195,7 +208,11 @@ class ReplicaAllReduce:
     """
 
     def __init__(
-        self, module: nn.Module, group: Optional[dist.ProcessGroup], count: Callable[[int], None] = lambda n: None
+        self,
+        module: nn.Module,
+        group: Optional[dist.ProcessGroup],
+        count: Callable[[int], None] = lambda n: None,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> None:
         from torch.distributed.fsdp import FSDPModule
 
@@ -203,9 +220,19 @@ class ReplicaAllReduce:
         size = dist.get_world_size(group)
 
         def hook(reduced: torch.Tensor) -> None:
-            reduced.div_(size)
-            dist.all_reduce(reduced, group=group)
-            count(ring_bytes(reduced.numel() * reduced.element_size(), size))
+            reduced.div_(size)  # first: a half-precision sum cannot overflow where the average would not
+            if wire_dtype is None or reduced.dtype == wire_dtype:
+                wire = reduced
+            elif halfcast.fits(reduced, wire_dtype):
+                wire = halfcast.narrow_(reduced, wire_dtype)  # in the shard's own bytes
+            else:
+                wire = reduced.to(wire_dtype)
+            dist.all_reduce(wire, group=group)
+            if wire.data_ptr() == reduced.data_ptr() and wire.dtype != reduced.dtype:
+                halfcast.widen_(wire, reduced)
+            elif wire is not reduced:
+                reduced.copy_(wire)
+            count(ring_bytes(wire.numel() * wire.element_size(), size))
 
         for m in self.modules:
             m.set_all_reduce_hook(hook)
@@ -215,7 +242,11 @@ class ReplicaAllReduce:
             m.set_all_reduce_hook(None)  # type: ignore[arg-type]  # FSDP2 keeps None as "no hook"
 
 
+#: The gradient-averaging algorithms ``ReplicaAllReduce`` runs, and the dtype of their wire (None: the gradients').
+WIRE_DTYPES: dict[str, Optional[torch.dtype]] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def averages_gradients(algorithm: Any) -> bool:
-    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (allreduce, by
-    ``ReplicaAllReduce``); the model-averaging algorithms leave them local to the node."""
-    return bool(algorithm.name == "allreduce")
+    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (allreduce, fp16 and
+    bf16, by ``ReplicaAllReduce``); the model-averaging algorithms leave them local to the node."""
+    return bool(algorithm.name in WIRE_DTYPES)

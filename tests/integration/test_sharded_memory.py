@@ -31,6 +31,9 @@ NODES, PER_NODE, STEPS, BUCKET_MB = 2, 2, 12, 0.25
 BUDGET = {
     # torch's HSDP: the all-reduce runs in FSDP2's reduce-scatter output, in place
     "allreduce": 0.01,
+    # the same, each shard cast to half precision in its own bytes
+    "fp16": 0.01,
+    "bf16": 0.01,
     # an average in place, staged by chunks
     "local_sgd:period=4": 0.01,
     # the global weights and the outer momentum of the local shards
