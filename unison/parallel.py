@@ -570,15 +570,22 @@ class DataParallel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside this block accumulate local
-        gradients without communicating; the next synchronized one averages the sum."""
-        if self._core.fsdp2 and self.algorithm.reduces_gradients and not self.algorithm.stops_gradient_sync:
+        gradients without communicating; the next synchronized one averages the sum.
+        Over FSDP2 (allreduce, fp16, bf16) it is FSDP2's ``set_requires_gradient_sync(False)``:
+        no reduce-scatter inside the node either, as torch's HSDP."""
+        fsdp2 = self._core.fsdp2 and sharded.averages_gradients(self.algorithm)
+        if self._core.fsdp2 and self.algorithm.reduces_gradients and not fsdp2:
             sharded.refuse_call(f"no_sync() with {self.algorithm.name}")
         previous = self._require_sync
         self._require_sync = False
+        if fsdp2:  # FSDP2 keeps the unsharded gradients and sends nothing, inside the node or across
+            sharded.gradient_sync(self.module, False)
         try:
             yield
         finally:
             self._require_sync = previous
+            if fsdp2 and previous:
+                sharded.gradient_sync(self.module, True)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Fire the algorithm's after-step event after each ``optimizer.step()``."""

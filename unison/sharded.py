@@ -242,6 +242,12 @@ class ReplicaAllReduce:
             m.set_all_reduce_hook(None)  # type: ignore[arg-type]  # FSDP2 keeps None as "no hook"
 
 
+def gradient_sync(module: nn.Module, on: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync(on)`` on ``module`` and every FSDPModule in it: off,
+    backward keeps the unsharded gradients and sends nothing (``no_sync()``)."""
+    cast(Any, module).set_requires_gradient_sync(on)
+
+
 #: The gradient-averaging algorithms ``ReplicaAllReduce`` runs, and the dtype of their wire (None: the gradients').
 WIRE_DTYPES: dict[str, Optional[torch.dtype]] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

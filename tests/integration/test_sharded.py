@@ -1,6 +1,8 @@
 """FSDP2 inside each node, unison across nodes: model averaging on the local shards, equal to the
 same algorithm on the unsharded model with one process per node; what is not built yet is refused."""
 
+import contextlib
+
 import launch
 import pytest
 import torch
@@ -322,6 +324,42 @@ def test_allreduce_over_fsdp2_is_torchs_hsdp_and_fp16_bf16_round_it():
         assert len(checks) == 11 and all(checks.values()), checks
 
 
+def accumulated() -> tuple[bool, bool]:
+    """no_sync() over FSDP2 against torch's HSDP with set_requires_gradient_sync(False): 3
+    micro-batches a step, the first two accumulated without communicating."""
+    rank = dist.get_rank()
+    mesh = mesh_2d()
+    theirs, ours = built(0), sharded_net(mesh, 0)
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    opts = [optimizer("sgd", ours.parameters()), optimizer("sgd", theirs.parameters())]
+    model = unison.DataParallel(ours, optimizer=opts[0], device_mesh=mesh["replicate"])
+    for step in range(4):
+        for opt in opts:
+            opt.zero_grad()
+        for micro in range(3):
+            x, y = rank_batch(10 * step + micro, rank)
+            last = micro == 2
+            theirs.set_requires_gradient_sync(last)
+            F.mse_loss(theirs(x), y).backward()
+            with contextlib.nullcontext() if last else model.no_sync():
+                F.mse_loss(model(x), y).backward()
+        for opt in opts:
+            opt.step()
+    same = all(
+        torch.allclose(p.full_tensor(), q.full_tensor(), atol=1e-5, rtol=0)
+        for p, q in zip(ours.parameters(), theirs.parameters())
+    )
+    shard = sum(-(-p.shape[0] // PER_NODE) * p[0].numel() * 4 for p in ours.parameters())
+    return same, model.comm_stats["bytes_total"] == 4 * shard  # one all-reduce a step: the last micro-batch's
+
+
+def test_no_sync_over_fsdp2_is_hsdps_accumulation():
+    for same, once_a_step in launch.run(accumulated, NODES * PER_NODE):
+        assert same and once_a_step
+
+
 # ---- what is not built yet over FSDP2: refused on every rank, with the reason --------------------------------
 
 GRADIENTS = ("bytegrad", "powersgd", "demo", "qadam", "nonblocking", "daso")
@@ -424,7 +462,6 @@ REFUSALS = {
         NotImplementedError,
         "hierarchical",
     ),
-    "allreduce no_sync": (after_allreduce(lambda model: model.no_sync().__enter__()), NotImplementedError, "no_sync()"),
     "local_sgd warm-up": (lambda m: wrapped(m, "local_sgd:warmup_steps=2"), NotImplementedError, "warmup_steps=2"),
     "async warm-up": (lambda m: wrapped(m, "async:warmup_steps=2"), NotImplementedError, "async with warmup_steps=2"),
     "fault_tolerant": (lambda m: wrapped(m, fault_tolerant=True), NotImplementedError, "fault_tolerant=True"),
