@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import random
-import sys
 import uuid
 import warnings
 import zlib
@@ -33,7 +31,7 @@ from torch import nn
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
-from .engine.snapshot import seed_all, to_cpu
+from .engine.snapshot import rng_states, seed_all, set_rng_states, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 from .sharded import refuse_dcp
@@ -349,48 +347,6 @@ def _read(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def rng_states() -> dict[str, Any]:
-    """This process's torch, Python and (when imported) NumPy and CUDA RNG states, as plain data.
-
-    What a checkpoint keeps per rank so a resumed run draws the same numbers.
-
-    Example::
-
-        >>> states = rng_states()
-        >>> set_rng_states(states)    # the next draws repeat
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_states(state: dict[str, Any]) -> None:
-    """Restore the RNG states ``rng_states()`` returned (also after a round trip through a file).
-
-    Example::
-
-        >>> set_rng_states(torch.load(path)["rng"])
-    """
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
     """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
     seed_all((zlib.crc32(tensor_bytes(rank0_state["torch"])) * 1_000_003 + rank) % 2**32)
-
-
-def _tuples(obj: Any) -> Any:
-    """Lists back to tuples (random.setstate wants its nested tuple)."""
-    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
