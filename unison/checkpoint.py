@@ -13,6 +13,10 @@ stopped. Saving over the same path each time is safe, which is what makes
 
     state = unison.load(path, model, optimizer, sampler, missing_ok=True)
     epoch, step = (state["epoch"], state["step"]) if state else (0, 0)
+
+A model sharded by FSDP2 is not gathered: ``path`` is then a directory that
+torch.distributed.checkpoint writes, each rank its own shards
+(``sharded_checkpoint``), with the same calls, guarantees and errors.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import sharded_checkpoint
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
 from .engine.snapshot import rng_states, seed_all, set_rng_states, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
-from .sharded import refuse_dcp
 
 FORMAT = "unison.checkpoint"
 VERSION = 1
@@ -57,9 +61,10 @@ def save(
     Args:
         path: the file to write (its directory is created); rank 0 writes it.
             Writing over the previous checkpoint is safe: the file is replaced
-            in one atomic rename, after the new one is complete on disk.
+            in one atomic rename, after the new one is complete on disk. A
+            directory for a model sharded by FSDP2 (below).
         model: a ``unison.DataParallel`` or a plain module (replicated alike on
-            every rank, as under torch DDP).
+            every rank, as under torch DDP), or either sharded by FSDP2.
         optimizer: an optimizer or a list of them.
         sampler: a ``ShardSampler``, whose position in the epoch is saved so
             the resumed run sees the rest of the epoch in the same order.
@@ -74,11 +79,24 @@ def save(
     sampler's position, the world size and the algorithm. Every rank returns
     once the file is in place; if any rank fails to produce its part or rank 0
     fails to write, every rank raises instead of waiting forever.
+
+    A model sharded by FSDP2 (a DataParallel over it, or the FSDP2 module):
+    ``path`` is a directory, written by torch.distributed.checkpoint without
+    gathering (each rank its shards of the weights and optimizer states, its
+    replica's own when replicas drift; its algorithm and RNG states), beside
+    ``path`` under a temporary name, then swapped into place. It resumes
+    exactly on the same world size and device mesh.
+
+    Example::
+
+        >>> unison.save("ckpt/last.pt", model, optimizer, sampler, epoch=epoch, step=step)
     """
     path = os.fspath(path)
-    refuse_dcp(model, "unison.save")
     optimizers = _optimizer_list(optimizer)
     _check_plain(extra, "extra")
+    if sharded_checkpoint.is_sharded(model):
+        sharded_checkpoint.save(path, model, optimizers, sampler, epoch=epoch, step=step, extra=extra)
+        return
     rank, world = _rank_and_size(None)
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
     per_rank = world > 1 and (
@@ -149,10 +167,20 @@ def load(
     naming the path; ValueError for a file that is not a unison checkpoint, a
     checkpoint of another algorithm (``strict=False`` loads everything else),
     a different number of optimizers, or ranks that read different files.
+
+    A model sharded by FSDP2 loads the directory ``save`` wrote for it with
+    torch.distributed.checkpoint, each rank its own shards and states; saved
+    on another world size or device mesh, it is refused (ValueError saying
+    both layouts), since each rank must find its own shards and states.
+
+    Example::
+
+        >>> state = unison.load("ckpt/last.pt", model, optimizer, sampler, missing_ok=True)
     """
     path = os.fspath(path)
-    refuse_dcp(model, "unison.load")
     optimizers = _optimizer_list(optimizer)
+    if sharded_checkpoint.is_sharded(model):
+        return sharded_checkpoint.load(path, model, optimizers, sampler, strict=strict, missing_ok=missing_ok)
     rank, world = _rank_and_size(None)
     checkpoint: Optional[dict] = None
     try:
@@ -331,6 +359,11 @@ def _read(path: str) -> dict[str, Any]:
     """The checkpoint at ``path``; ValueError if the file is not one."""
     if not os.path.exists(path):
         raise FileNotFoundError(path)
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{path} is a directory: unison.save writes one for a model sharded by FSDP2, which loads into "
+            "that sharded model only"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
