@@ -13,6 +13,10 @@ stopped. Saving over the same path each time is safe, which is what makes
 
     state = unison.load(path, model, optimizer, sampler, missing_ok=True)
     epoch, step = (state["epoch"], state["step"]) if state else (0, 0)
+
+A model sharded by FSDP2 is not gathered: ``path`` is then a directory that
+torch.distributed.checkpoint writes, each rank its own shards
+(``sharded_checkpoint``), with the same calls, guarantees and errors.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import random
-import sys
 import uuid
 import warnings
 import zlib
@@ -30,13 +32,13 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from . import sharded_checkpoint
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
-from .engine.snapshot import seed_all, to_cpu
+from .engine.snapshot import rng_states, seed_all, set_rng_states, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
-from .sharded import refuse_dcp
 
 FORMAT = "unison.checkpoint"
 VERSION = 1
@@ -59,9 +61,10 @@ def save(
     Args:
         path: the file to write (its directory is created); rank 0 writes it.
             Writing over the previous checkpoint is safe: the file is replaced
-            in one atomic rename, after the new one is complete on disk.
+            in one atomic rename, after the new one is complete on disk. A
+            directory for a model sharded by FSDP2 (below).
         model: a ``unison.DataParallel`` or a plain module (replicated alike on
-            every rank, as under torch DDP).
+            every rank, as under torch DDP), or either sharded by FSDP2.
         optimizer: an optimizer or a list of them.
         sampler: a ``ShardSampler``, whose position in the epoch is saved so
             the resumed run sees the rest of the epoch in the same order.
@@ -76,11 +79,24 @@ def save(
     sampler's position, the world size and the algorithm. Every rank returns
     once the file is in place; if any rank fails to produce its part or rank 0
     fails to write, every rank raises instead of waiting forever.
+
+    A model sharded by FSDP2 (a DataParallel over it, or the FSDP2 module):
+    ``path`` is a directory, written by torch.distributed.checkpoint without
+    gathering (each rank its shards of the weights and optimizer states, its
+    replica's own when replicas drift; its algorithm and RNG states), beside
+    ``path`` under a temporary name, then swapped into place. It resumes
+    exactly on the same world size and device mesh.
+
+    Example::
+
+        >>> unison.save("ckpt/last.pt", model, optimizer, sampler, epoch=epoch, step=step)
     """
     path = os.fspath(path)
-    refuse_dcp(model, "unison.save")
     optimizers = _optimizer_list(optimizer)
     _check_plain(extra, "extra")
+    if sharded_checkpoint.is_sharded(model):
+        sharded_checkpoint.save(path, model, optimizers, sampler, epoch=epoch, step=step, extra=extra)
+        return
     rank, world = _rank_and_size(None)
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
     per_rank = world > 1 and (
@@ -151,10 +167,20 @@ def load(
     naming the path; ValueError for a file that is not a unison checkpoint, a
     checkpoint of another algorithm (``strict=False`` loads everything else),
     a different number of optimizers, or ranks that read different files.
+
+    A model sharded by FSDP2 loads the directory ``save`` wrote for it with
+    torch.distributed.checkpoint, each rank its own shards and states; saved
+    on another world size or device mesh, it is refused (ValueError saying
+    both layouts), since each rank must find its own shards and states.
+
+    Example::
+
+        >>> state = unison.load("ckpt/last.pt", model, optimizer, sampler, missing_ok=True)
     """
     path = os.fspath(path)
-    refuse_dcp(model, "unison.load")
     optimizers = _optimizer_list(optimizer)
+    if sharded_checkpoint.is_sharded(model):
+        return sharded_checkpoint.load(path, model, optimizers, sampler, strict=strict, missing_ok=missing_ok)
     rank, world = _rank_and_size(None)
     checkpoint: Optional[dict] = None
     try:
@@ -333,6 +359,11 @@ def _read(path: str) -> dict[str, Any]:
     """The checkpoint at ``path``; ValueError if the file is not one."""
     if not os.path.exists(path):
         raise FileNotFoundError(path)
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{path} is a directory: unison.save writes one for a model sharded by FSDP2, which loads into "
+            "that sharded model only"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -349,48 +380,6 @@ def _read(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def rng_states() -> dict[str, Any]:
-    """This process's torch, Python and (when imported) NumPy and CUDA RNG states, as plain data.
-
-    What a checkpoint keeps per rank so a resumed run draws the same numbers.
-
-    Example::
-
-        >>> states = rng_states()
-        >>> set_rng_states(states)    # the next draws repeat
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_states(state: dict[str, Any]) -> None:
-    """Restore the RNG states ``rng_states()`` returned (also after a round trip through a file).
-
-    Example::
-
-        >>> set_rng_states(torch.load(path)["rng"])
-    """
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _reseed(rank0_state: dict[str, Any], rank: int) -> None:
     """Seed every RNG from rank 0's saved torch state and this rank: deterministic, different per rank."""
     seed_all((zlib.crc32(tensor_bytes(rank0_state["torch"])) * 1_000_003 + rank) % 2**32)
-
-
-def _tuples(obj: Any) -> Any:
-    """Lists back to tuples (random.setstate wants its nested tuple)."""
-    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj

@@ -182,17 +182,6 @@ def refuse_call(what: str, instead: str = "") -> None:
     raise NotImplementedError(f"{what} is not built yet over a module sharded by FSDP2{instead}")
 
 
-def refuse_dcp(model: nn.Module, what: str) -> None:
-    """Raise NotImplementedError if ``model`` is sharded by FSDP2: ``what`` (``unison.save`` or
-    ``unison.load``) writes whole tensors from rank 0; torch.distributed.checkpoint writes shards."""
-    if any(is_dtensor(p) for p in model.parameters()):
-        refuse_call(
-            what,
-            "; save and load its state with torch.distributed.checkpoint (dcp.save(model.state_dict(), "
-            "checkpoint_id=path), dcp.load) until unison.save supports it",
-        )
-
-
 class ReplicaAllReduce:
     """Gradient averaging over FSDP2 as torch's HSDP: each FSDPModule's reduce-scatter output (the
     mean over the node's ranks of this rank's shard) divided by the replicas' number and summed

@@ -35,6 +35,7 @@ LAYERS = [
     "join",
     "parallel",
     "optim",
+    "sharded_checkpoint",
     "checkpoint",
     "compat",
     "integrations",
@@ -102,7 +103,8 @@ def test_the_upward_import_is_data():
 # Private attributes of torch's that unison reads on purpose (state-dict metadata, tensor versions,
 # c10d's _world: the count that names unnamed groups, put back after a failed regroup, autograd's
 # sequence numbers, which order a forward's ops for nonblocking's check, DeviceMesh's root mesh,
-# which says whether FSDP2's mesh and device_mesh are dimensions of one mesh, ...).
+# which says whether FSDP2's mesh and device_mesh are dimensions of one mesh, an optimizer's step
+# hooks, held off while torch.distributed.checkpoint's state-dict helpers step it to make its state, ...).
 TORCH_PRIVATE = {
     "_C",
     "_autograd",
@@ -117,6 +119,8 @@ TORCH_PRIVATE = {
     "_foreach",
     "_world",
     "_get_root_mesh",
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
 }
 
 

@@ -435,10 +435,6 @@ def distributed_optimizer(mesh):
     return unison.DistributedOptimizer(optimizer("sgd", sharded_net(mesh, 0).parameters()))
 
 
-def saved(model):
-    unison.save("/nonexistent/never-written.pt", model)
-
-
 #: case -> (what it does on every rank, the error type, words its message holds)
 REFUSALS = {
     **{
@@ -483,7 +479,6 @@ REFUSALS = {
         NotImplementedError,
         "'powersgd' averages gradients",
     ),
-    "unison.save": (after_construction(saved), NotImplementedError, "torch.distributed.checkpoint"),
     "DistributedOptimizer": (distributed_optimizer, NotImplementedError, "DistributedOptimizer is not built yet"),
     "mixed parameters": (mixed, ValueError, "is a plain tensor"),
     "no device_mesh": (meshless, ValueError, "needs the mesh dimension"),

@@ -1,7 +1,9 @@
-"""State as it travels: tensors copied to the CPU, and every RNG seeded at once.
+"""State as it travels: tensors copied to the CPU, every RNG seeded at once, RNG states kept.
 
 A checkpoint writes state to a file; fault tolerance sends it to a joiner over
 the wire. Both take the same CPU copy, and both reseed a process the same way.
+Both kinds of checkpoint (one file, or a sharded model's directory) keep each
+rank's RNG states with ``rng_states`` and restore them with ``set_rng_states``.
 """
 
 from __future__ import annotations
@@ -46,3 +48,45 @@ def seed_all(seed: int) -> None:
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed(seed)
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's torch, Python and (when imported) NumPy and CUDA RNG states, as plain data.
+
+    What a checkpoint keeps per rank so a resumed run draws the same numbers.
+
+    Example::
+
+        >>> states = rng_states()
+        >>> set_rng_states(states)    # the next draws repeat
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    """Restore the RNG states ``rng_states()`` returned (also after a round trip through a file).
+
+    Example::
+
+        >>> set_rng_states(torch.load(path)["rng"])
+    """
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tuples(obj: Any) -> Any:
+    """Lists back to tuples (random.setstate wants its nested tuple)."""
+    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
