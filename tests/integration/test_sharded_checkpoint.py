@@ -25,8 +25,10 @@ CASES = [
     ("allreduce", "adamw"),
     # no optimizer state: DCP's get_optimizer_state_dict makes some by a step of lr 0, which DataParallel must not count
     ("diloco:period=3,fragments=1,delay=0", "plain sgd"),
+    # the error feedback of each rank's local shards, and the global weights
+    ("sparseloco:period=3", "adamw"),
 ]
-DRIFT = {"diloco", "local_sgd"}
+DRIFT = {"diloco", "local_sgd", "sparseloco"}
 #: samples: each rank's shard of an epoch is STEPS batches of 4
 DATA = torch.Generator().manual_seed(7)
 X, Y = (
