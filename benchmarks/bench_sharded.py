@@ -22,7 +22,7 @@ window (its veth's counter, per step, the nodes' mean), and unison's own counter
 (``comm_stats``, the node's ranks summed). Memory: the tensors live on a rank after the window
 (``unison.memory.live_tensor_bytes``, a DTensor as its local shard) over compute's.
 
-    python benchmarks/bench_sharded.py                          # about 10 minutes here
+    python benchmarks/bench_sharded.py                          # about 30 minutes here
     python benchmarks/bench_sharded.py --contenders compute,hsdp,diloco --rounds 3 --bandwidth 100mbit
 
 Prints a table; writes benchmarks/results/sharded.json (or ``--json PATH``).
