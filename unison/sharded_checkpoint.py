@@ -2,7 +2,7 @@
 
 ``unison.save`` and ``unison.load`` come here when the model's parameters are DTensors; ``path``
 is then a directory in DCP's format (each rank writes its own shards, nothing is gathered) plus
-``unison.pt``, rank 0's record of the run: counters, ``extra``, the sampler's position, the
+``record.pt``, rank 0's record of the run: counters, ``extra``, the sampler's position, the
 layout, the algorithm. What makes the resumed run follow the same trajectory:
 
 - the module's weights and the optimizers' states, as the DTensors FSDP2 holds
@@ -47,7 +47,7 @@ from .sharded import is_dtensor
 FORMAT = "unison.sharded_checkpoint"
 VERSION = 1
 #: rank 0's record of the run, beside DCP's files in the checkpoint's directory
-RECORD = "unison.pt"
+RECORD = "record.pt"
 
 
 def is_sharded(model: nn.Module) -> bool:
