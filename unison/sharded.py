@@ -210,17 +210,9 @@ class ReplicaAllReduce:
 
         def hook(reduced: torch.Tensor) -> None:
             reduced.div_(size)  # first: a half-precision sum cannot overflow where the average would not
-            if wire_dtype is None or reduced.dtype == wire_dtype:
-                wire = reduced
-            elif halfcast.fits(reduced, wire_dtype):
-                wire = halfcast.narrow_(reduced, wire_dtype)  # in the shard's own bytes
-            else:
-                wire = reduced.to(wire_dtype)
+            wire = halfcast.to_wire(reduced, wire_dtype or reduced.dtype)  # in the shard's own bytes
             dist.all_reduce(wire, group=group)
-            if wire.data_ptr() == reduced.data_ptr() and wire.dtype != reduced.dtype:
-                halfcast.widen_(wire, reduced)
-            elif wire is not reduced:
-                reduced.copy_(wire)
+            halfcast.from_wire(wire, reduced)
             count(ring_bytes(wire.numel() * wire.element_size(), size))
 
         for m in self.modules:

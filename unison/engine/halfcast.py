@@ -59,3 +59,18 @@ def widen_(narrow: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         for a, b in reversed(_ranges(flat.numel())):
             flat[a:b].copy_(narrow[a:b].to(flat.dtype) if a == 0 else narrow[a:b])
     return flat
+
+
+def to_wire(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat`` as ``dtype`` for the wire: itself if it is already, else cast in its own bytes
+    where it fits (``narrow_``), else a copy. ``from_wire`` puts the reduced values back."""
+    if flat.dtype == dtype:
+        return flat
+    return narrow_(flat, dtype) if fits(flat, dtype) else flat.to(dtype)
+
+
+def from_wire(wire: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The reduced ``wire`` (``to_wire``'s) back into ``flat``; returns ``flat``."""
+    if wire is flat:
+        return flat
+    return widen_(wire, flat) if wire.data_ptr() == flat.data_ptr() else flat.copy_(wire)

@@ -77,9 +77,9 @@ class CastAllReduce(Algorithm[CastState]):
         if bucket.flat.dtype == self.wire_dtype:
             return start(dist.all_reduce, bucket.flat, group=group)
         flat = bucket.flat
-        wire = _narrow(flat, self.wire_dtype)
+        wire = halfcast.to_wire(flat, self.wire_dtype)
         future = start(dist.all_reduce, wire, group=group).get_future()
-        return future.then(lambda _: _widen(wire, flat))
+        return future.then(lambda _: halfcast.from_wire(wire, flat))
 
     def bucket_wire_bytes(self, replica: Replica, state: CastState, bucket: Bucket, world_size: int) -> int:
         itemsize = torch.tensor([], dtype=self.wire_dtype).element_size()
@@ -89,21 +89,11 @@ class CastAllReduce(Algorithm[CastState]):
         return ring_bytes(bucket.flat.numel() * itemsize, world_size)
 
 
-def _narrow(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``flat`` cast to ``dtype``: in its own bytes where it can be (fp32 to a 2-byte dtype), else a copy."""
-    return halfcast.narrow_(flat, dtype) if halfcast.fits(flat, dtype) else flat.to(dtype)
-
-
-def _widen(wire: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """The reduced ``wire`` cast back into ``flat``."""
-    return halfcast.widen_(wire, flat) if wire.data_ptr() == flat.data_ptr() else flat.copy_(wire)
-
-
 def _cast_cross(h: TwoLevel, dtype: torch.dtype, shard: torch.Tensor, offset: int) -> None:
     """The cross-node step in the wire dtype: the node's sum of the shard, cast, summed, cast back."""
-    wire = _narrow(shard, dtype)
+    wire = halfcast.to_wire(shard, dtype)
     h.allreduce(wire, offset)
-    _widen(wire, shard)
+    halfcast.from_wire(wire, shard)
 
 
 class FP16(CastAllReduce):
