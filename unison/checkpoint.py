@@ -35,8 +35,8 @@ from torch import nn
 from . import sharded_checkpoint
 from .data import ShardSampler
 from .data import group_rank_and_size as _rank_and_size
-from .engine.comm import all_gather_objects, broadcast_object, gather_objects, tensor_bytes
-from .engine.snapshot import rng_states, seed_all, set_rng_states, to_cpu
+from .engine.comm import broadcast_object, gather_objects, tensor_bytes
+from .engine.snapshot import read_agreed, rng_states, seed_all, set_rng_states, to_cpu
 from .optim import DistributedOptimizer
 from .parallel import ALGORITHM_KEY, DataParallel
 
@@ -182,34 +182,11 @@ def load(
     if sharded_checkpoint.is_sharded(model):
         return sharded_checkpoint.load(path, model, optimizers, sampler, strict=strict, missing_ok=missing_ok)
     rank, world = _rank_and_size(None)
-    checkpoint: Optional[dict] = None
-    try:
-        checkpoint = _read(path)
-        outcome = ("ok", checkpoint["id"])
-    except FileNotFoundError:
-        outcome = ("missing", f"no checkpoint at {path} (rank {rank})")
-    except ValueError as exc:
-        outcome = ("error", f"{exc} (rank {rank})")
-    except Exception as exc:
-        outcome = ("error", f"cannot read {path}: {type(exc).__name__}: {exc} (rank {rank})")
-    outcomes = [outcome] if world == 1 else all_gather_objects(outcome, None)
-    kinds = {kind for kind, _ in outcomes}
-    if kinds == {"missing"}:
+    checkpoint = read_agreed(path, _read, rank, world)
+    if checkpoint is None:
         if missing_ok:
             return None
         raise FileNotFoundError(f"no checkpoint at {path}")
-    if "error" in kinds:
-        raise ValueError(next(text for kind, text in outcomes if kind == "error"))
-    if "missing" in kinds:
-        ranks = [r for r, (kind, _) in enumerate(outcomes) if kind == "missing"]
-        raise FileNotFoundError(
-            f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem every rank can read"
-        )
-    if len({text for _, text in outcomes}) > 1:
-        raise ValueError(
-            f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again"
-        )
-    assert checkpoint is not None
 
     algorithm = model.algorithm if isinstance(model, DataParallel) else None
     name = None if algorithm is None else algorithm.name

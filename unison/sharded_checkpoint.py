@@ -40,7 +40,7 @@ from torch import nn
 
 from .data import ShardSampler
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects
-from .engine.snapshot import rng_states, set_rng_states, to_cpu
+from .engine.snapshot import read_agreed, rng_states, set_rng_states, to_cpu
 from .parallel import ALGORITHM_KEY, DataParallel
 from .sharded import is_dtensor
 
@@ -167,7 +167,7 @@ def load(
         >>> state = load("ckpt", model, [opt], sampler, strict=True, missing_ok=True)
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    record = _agreed_record(path, rank)
+    record = read_agreed(path, _read_record, rank, world)
     if record is None:
         if missing_ok:
             return None
@@ -339,39 +339,6 @@ def _agree(failure: Optional[str], what: str) -> None:
     failures = list(dict.fromkeys(f for f in all_gather_objects(failure, None) if f is not None))
     if failures:
         raise RuntimeError(f"{what}: {'; '.join(failures)}")
-
-
-def _agreed_record(path: str, rank: int) -> Optional[dict[str, Any]]:
-    """The record every rank read at ``path``; None if no rank finds it. Raises alike on every rank
-    when some rank cannot read it, finds another, or finds none where others do."""
-    record: Optional[dict[str, Any]] = None
-    try:
-        record = _read_record(path)
-        outcome = ("ok", record["id"])
-    except FileNotFoundError:
-        outcome = ("missing", f"no checkpoint at {path} (rank {rank})")
-    except ValueError as exc:
-        outcome = ("error", f"{exc} (rank {rank})")
-    except Exception as exc:
-        outcome = ("error", f"cannot read {path}: {type(exc).__name__}: {exc} (rank {rank})")
-    outcomes = all_gather_objects(outcome, None)
-    kinds = {kind for kind, _ in outcomes}
-    if kinds == {"missing"}:
-        return None
-    if "error" in kinds:
-        raise ValueError(next(text for kind, text in outcomes if kind == "error"))
-    if "missing" in kinds:
-        ranks = [r for r, (kind, _) in enumerate(outcomes) if kind == "missing"]
-        raise FileNotFoundError(
-            f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem "
-            "every rank can read"
-        )
-    if len({text for _, text in outcomes}) > 1:
-        raise ValueError(
-            f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again"
-        )
-    assert record is not None
-    return record
 
 
 def _read_record(path: str) -> dict[str, Any]:

@@ -3,16 +3,19 @@
 A checkpoint writes state to a file; fault tolerance sends it to a joiner over
 the wire. Both take the same CPU copy, and both reseed a process the same way.
 Both kinds of checkpoint (one file, or a sharded model's directory) keep each
-rank's RNG states with ``rng_states`` and restore them with ``set_rng_states``.
+rank's RNG states with ``rng_states`` and restore them with ``set_rng_states``,
+and read their file on every rank with ``read_agreed``.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+
+from .comm import all_gather_objects
 
 
 def to_cpu(obj: Any) -> Any:
@@ -90,3 +93,44 @@ def set_rng_states(state: dict[str, Any]) -> None:
 def _tuples(obj: Any) -> Any:
     """Lists back to tuples (random.setstate wants its nested tuple)."""
     return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def read_agreed(path: str, read: Callable[[str], dict[str, Any]], rank: int, world: int) -> Optional[dict[str, Any]]:
+    """The checkpoint ``read(path)`` gives, the same on every rank; None if no rank finds it.
+
+    ``read`` raises FileNotFoundError where there is nothing at ``path`` and ValueError for what is
+    not a checkpoint; the checkpoint carries an ``"id"``. Raises alike on every rank (never leaves
+    one waiting) when a rank cannot read it, reads another, or finds none where others do.
+
+    Example::
+
+        >>> checkpoint = read_agreed(path, _read, rank, world)
+    """
+    checkpoint: Optional[dict[str, Any]] = None
+    try:
+        checkpoint = read(path)
+        outcome = ("ok", checkpoint["id"])
+    except FileNotFoundError:
+        outcome = ("missing", f"no checkpoint at {path} (rank {rank})")
+    except ValueError as exc:
+        outcome = ("error", f"{exc} (rank {rank})")
+    except Exception as exc:
+        outcome = ("error", f"cannot read {path}: {type(exc).__name__}: {exc} (rank {rank})")
+    outcomes = [outcome] if world == 1 else all_gather_objects(outcome, None)
+    kinds = {kind for kind, _ in outcomes}
+    if kinds == {"missing"}:
+        return None
+    if "error" in kinds:
+        raise ValueError(next(text for kind, text in outcomes if kind == "error"))
+    if "missing" in kinds:
+        ranks = [r for r, (kind, _) in enumerate(outcomes) if kind == "missing"]
+        raise FileNotFoundError(
+            f"rank(s) {ranks} cannot see the checkpoint {path} that the others read: it must be on a filesystem "
+            "every rank can read"
+        )
+    if len({text for _, text in outcomes}) > 1:
+        raise ValueError(
+            f"the ranks read different checkpoints at {path} (was it replaced while they read?); load again"
+        )
+    assert checkpoint is not None
+    return checkpoint
