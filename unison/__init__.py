@@ -12,7 +12,7 @@ from .checkpoint import load, save
 from .data import ShardSampler, sharded_loader
 from .optim import DistributedOptimizer
 from .parallel import DataParallel
-from .runtime import RankFailure, Topology, detect_launch, init, shutdown, topology
+from .runtime import RankFailure, Topology, detect_launch, init, node_mesh, shutdown, topology
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "detect_launch",
     "init",
     "load",
+    "node_mesh",
     "save",
     "sharded_loader",
     "shutdown",

@@ -33,10 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import algorithms as algos
+from . import sharded
 from .core import Core
 from .engine.comm import all_gather_objects, broadcast_object, share_state
 from .engine.snapshot import seed_all, to_cpu
 from .runtime import forget_private_groups, health, member
+from .runtime.launch import wire_device
 from .runtime.member import Member, MembershipChanged
 
 logger = logging.getLogger("unison.ft")
@@ -56,6 +58,7 @@ class Guarded(Protocol):
     """What fault tolerance needs of the wrapper it guards (DataParallel)."""
 
     module: nn.Module
+    process_group: Optional[dist.ProcessGroup]
 
     @property
     def core(self) -> Core: ...
@@ -109,7 +112,8 @@ def joining_member(
     return worker
 
 
-#: Set in the coordinator's store once the job has a state (its first settle is done).
+#: Set in the coordinator's store once the job has a state (its first settle is done); over FSDP2
+#: once for each local rank (``ft/state/<local rank>``: the replicas of one shard settle together).
 STATE_KEY = "ft/state"
 
 
@@ -233,6 +237,7 @@ class FaultTolerance:
         self._healed: dict[str, Any] = {}  # attached state healed in before the object was attached
         self._recovering = False
         self._swallow = False  # the pending backward was settled by a heal: its optimizer step does nothing
+        self._pending: Optional[str] = None  # over FSDP2: a failure met, recovered from once the node agrees
 
     # ---- what users read -----------------------------------------------------------------
     @property
@@ -305,9 +310,40 @@ class FaultTolerance:
     def at_boundary(self) -> None:
         """Between two steps: regroup now if a new membership waits for this worker (a lone
         member, or one whose algorithm has no collective for a while, would otherwise never
-        notice a joiner); a departure alone is taken up by the next collective."""
-        if not self._recovering and self._member.wanted_now():
+        notice a joiner); a departure alone is taken up by the next collective. Over FSDP2 the
+        node's processes decide it together (``agree``)."""
+        if self._recovering:
+            return
+        if self._node_group() is not None:
+            self.agree()
+        elif self._member.wanted_now():
             self._settled("idle", None, regroup=True)
+
+    def agree(self) -> bool:
+        """Over a model sharded by FSDP2 on the node's mesh: the node's processes decide together
+        (one all-reduce over the node's group) whether to recover now, from a failure one of them
+        met (``recover`` kept it pending) or a membership that wants them; True if they did.
+
+        The node's processes share every forward (FSDP2 gathers the shards inside the node): one
+        that regrouped alone would wait for a sibling that waits in the next forward's gather.
+        So a failure is recovered from where they all are at once, the end of the step (or of
+        ``average()``), by all of them. Elsewhere nothing is pending: False at once.
+        """
+        node = self._node_group()
+        if node is None or self._recovering:
+            return False
+        pending, self._pending = self._pending, None
+        flag = torch.tensor([2 if pending else int(self._member.wanted_now())], device=wire_device(node))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=node)
+        if not int(flag.item()):
+            return False
+        self._settled(pending or "idle", None, regroup=True)
+        return True
+
+    def _node_group(self) -> Optional[dist.ProcessGroup]:
+        """The node's group when the model is sharded by FSDP2 over it, else None."""
+        model, node = self._model(), self._member.node_group
+        return node.group if model is not None and model.core.fsdp2 and node is not None else None
 
     # ---- recovery -------------------------------------------------------------------------
     def start(self, begin: Callable[[], None]) -> None:
@@ -336,6 +372,9 @@ class FaultTolerance:
         if self._recovering or not is_failure(exc, self._member):
             return False
         self.note("failure", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        if self._node_group() is not None and kind != "grad":
+            self._pending = kind  # the node recovers together, at the end of the step (agree)
+            return True
         self._settled(kind, local, regroup=True)
         return True
 
@@ -395,7 +434,9 @@ class FaultTolerance:
         return model
 
     def _settle(self, kind: str, local: Optional[dict[int, torch.Tensor]]) -> None:
-        model, group = self._guarded(), dist.group.WORLD
+        model = self._guarded()
+        # Over FSDP2 a shard's replicas are this local rank's processes on every node: they settle.
+        group = model.process_group if model.core.fsdp2 else dist.group.WORLD
         # Where each member is: committed steps, what it was doing, shared rounds (DiLoCo's outer
         # steps) completed. The source is the lowest rank furthest ahead; joiners never are.
         gathered = all_gather_objects((self.step, kind, model.core.shared_rounds, self._member.veteran), group)
@@ -403,7 +444,8 @@ class FaultTolerance:
         running = [(s, n) for s, k, n in statuses if k != "join"]
         # Joiners only, none of them a process that settled before (a second model of the same
         # workers is no loss), in a job that has a state: nobody holds it any more.
-        if not running and not any(g[3] for g in gathered) and self._member.store.check([STATE_KEY]):
+        state_key = STATE_KEY if group is dist.group.WORLD else f"{STATE_KEY}/{self._member.local_rank}"
+        if not running and not any(g[3] for g in gathered) and self._member.store.check([state_key]):
             why = (
                 f"every worker that held the job's state is gone (the members {self._member.members} all "
                 "joined fresh); starting over from initial weights would be silently wrong: restart from a "
@@ -434,7 +476,7 @@ class FaultTolerance:
             # A fresh joiner has nothing of its own to lose: the module's tensors are written in
             # place. A member keeps its own state whole until the payload has come (its sources may
             # die half-way).
-            into = model.module.state_dict() if fresh else None
+            into = _module_state(model) if fresh else None
             self._load(share_state(None, sources, behind, group, into=into), fresh=kind == "join")
             self.note("heal_recv", f"from rank(s) {sources} at step {top[0]} in {time.time() - started:.3f} s")
         if rank not in behind and behind:
@@ -455,17 +497,17 @@ class FaultTolerance:
             self.note("redo", f"the interrupted sync after step {self.step}, at the next step")
         elif kind == "drop":
             self.note("drop", f"an averaging round after step {self.step}")
-        self._align_data(contributors[0] if contributors else source)
+        self._align_data(contributors[0] if contributors else source, group)
         if not self._member.veteran:  # from now on, a membership of fresh joiners only has lost the job's state
-            self._member.store.set(STATE_KEY, "1")
+            self._member.store.set(state_key, "1")
             self._member.hold()
         if plan.idle:
             self.note("lost", f"the batch of step {top[0] + 1} of rank(s) {plan.idle}, which were between steps")
 
-    def _align_data(self, leader: int) -> None:
-        """Give every member the data position of ``leader`` (one that was mid-step, if any): a
-        member that noticed the change between two steps has not drawn that step's batch."""
-        group = dist.group.WORLD
+    def _align_data(self, leader: int, group: Optional[dist.ProcessGroup]) -> None:
+        """Give every member of ``group`` the data position of its rank ``leader`` (one that was
+        mid-step, if any): a member that noticed the change between two steps has not drawn that
+        step's batch."""
         positions = None
         if dist.get_rank(group) == leader:
             positions = {n: to_cpu(o.state_dict()) for n, o in self._attached.items() if hasattr(o, "reshard")}
@@ -479,11 +521,11 @@ class FaultTolerance:
         """What a member behind receives, and the names of its module's tensors (by id) so that a
         joiner can receive them into its own."""
         model = self._guarded()
-        module = to_cpu(model.module.state_dict())
+        module = to_cpu(_module_state(model))
         payload = {
             "step": self.step,
             "module": module,
-            "optimizers": [to_cpu(opt.state_dict()) for opt in model.core.optimizers],
+            "optimizers": [to_cpu(sharded.local_state(opt.state_dict())) for opt in model.core.optimizers],
             "algorithm": to_cpu(model.core.algorithm_entry()),
             "attached": {name: to_cpu(obj.state_dict()) for name, obj in self._attached.items()},
         }
@@ -495,9 +537,15 @@ class FaultTolerance:
         model = self._guarded()
         self.step = payload["step"]
         self._member.committed_step = self.step
-        model.module.load_state_dict(payload["module"])
+        if model.core.fsdp2:  # into the local shards, which FSDP2 gathers at the next forward
+            with torch.no_grad():
+                for name, t in _module_state(model).items():
+                    if t is not payload["module"][name]:
+                        t.copy_(payload["module"][name])
+        else:
+            model.module.load_state_dict(payload["module"])
         for opt, state in zip(model.core.optimizers, payload["optimizers"]):
-            opt.load_state_dict(state)
+            opt.load_state_dict(sharded.as_dtensors(opt, state) if model.core.fsdp2 else state)
         entry = payload["algorithm"]
         if entry is not None:
             own = None if fresh else model.core.algorithm_entry()
@@ -545,6 +593,12 @@ class FaultTolerance:
         (``Recovery.deferred_step``: nonblocking's); its reductions are complete under fault tolerance."""
         if model.core.algorithm.recovery is not None and recovery(model).deferred_step:
             model.core.flush()
+
+
+def _module_state(model: Guarded) -> dict[str, torch.Tensor]:
+    """The module's state dict; over FSDP2 its local shards (views sharing the parameters' storage)."""
+    state = model.module.state_dict()
+    return {name: sharded.local(t) for name, t in state.items()} if model.core.fsdp2 else state
 
 
 def recovery(model: Guarded) -> algos.Recovery:

@@ -37,7 +37,7 @@ from .engine.reducer import GradReducer
 from .fault import FaultTolerance, joining_member
 from .hooks import eager
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
-from .runtime import health, private_group
+from .runtime import health, private_group, replica_group
 
 __all__ = ["ALGORITHM_KEY", "DataParallel"]
 
@@ -163,9 +163,16 @@ class DataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
         group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
-        if fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
-            sharded.refuse_call("fault_tolerant=True")  # before joining_member, which talks to the launcher
-        worker = joining_member(fault_tolerant, algorithm, group, optimizer)
+        # Sharded over unison.node_mesh(): the replicas are the processes of this local rank on every node.
+        on_nodes = group is None and sharded.on_node_mesh(module)
+        if on_nodes:
+            group = replica_group()
+        elif fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
+            sharded.refuse_call(
+                "fault_tolerant=True", " over a device_mesh: shard over unison.node_mesh(), whose group outlives "
+                "the memberships, and leave device_mesh out"
+            )
+        worker = joining_member(fault_tolerant, algorithm, None if on_nodes else group, optimizer)
         self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
         if debug is None:
             debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
@@ -192,7 +199,13 @@ class DataParallel(nn.Module):
             if fsdp2:
                 custom = "reduce_function" if reduce_function is not None else None
                 custom = "broadcast_function" if broadcast_function is not None else custom
-                sharded.refuse(algos.as_algorithm(algorithm), nonfinite=nonfinite, debug=bool(debug), custom=custom)
+                sharded.refuse(
+                    algos.as_algorithm(algorithm),
+                    fault_tolerant=fault_tolerant,
+                    nonfinite=nonfinite,
+                    debug=bool(debug),
+                    custom=custom,
+                )
             device_ids, output_device = ddp_keywords.check_module(
                 module, torch_keywords.device_ids, torch_keywords.output_device
             )
@@ -343,7 +356,8 @@ class DataParallel(nn.Module):
     def regrouped(self) -> None:
         """Fault tolerance built the world again over new members: run the algorithm on it,
         its state carried over. Not for users to call."""
-        self.process_group, self.world_size, self.rank = membership(None, "DataParallel")
+        group = replica_group() if self._core.fsdp2 else None  # over FSDP2: this local rank's replicas
+        self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
         entry = self._core.regroup(self.process_group)
         self._start_algorithm()
         if entry is not None:

@@ -34,6 +34,9 @@ SUPPORTED = (
     "async",
 )
 
+#: The algorithms that run with ``fault_tolerant=True`` over FSDP2 (its model averaging, unstreamed).
+FAULT_TOLERANT = ("local_sgd", "diloco", "sparseloco")
+
 _GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
 _HOW = (
     "shard the model with fully_shard(block, mesh=mesh['shard']) for its blocks and the root, and pass "
@@ -63,13 +66,51 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()  # type: ignore[attr-defined]
 
 
+def local_state(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples) with every DTensor replaced by its local shard: an optimizer's
+    state over FSDP2 as plain tensors, that a heal sends point to point."""
+    if isinstance(obj, torch.Tensor):
+        return local(obj)
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_state(v) for v in obj)
+    return obj
+
+
+def as_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer's ``local_state``) with each tensor of a DTensor parameter's state
+    that has its local shard's shape made a DTensor like the parameter again, for
+    ``optimizer.load_state_dict`` (its step counters stay plain, as torch keeps them)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in state["param_groups"] for i in group["params"]]
+    by_id = dict(zip(ids, params))
+    out = dict(state, state={})
+    for i, entry in state["state"].items():
+        p = by_id.get(i)
+        if p is None or not is_dtensor(p):
+            out["state"][i] = entry
+            continue
+        shape = local(p).shape
+        out["state"][i] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape
+            else v
+            for k, v in entry.items()
+        }
+    return out
+
+
 def check(module: nn.Module, device_mesh: Any) -> bool:
     """Whether ``module`` is sharded by FSDP2; raise if it is in a way unison cannot run.
 
     Accepted: every parameter a DTensor sharded (``Shard`` placements) over a 1-D mesh that is
-    another dimension of the same root mesh as ``device_mesh`` (1-D), and ``module`` an
-    ``FSDPModule`` (``fully_shard`` applied to the root). Refused with what to do instead:
-    plain and DTensor parameters mixed, no ``device_mesh``, other placements (tensor
+    another dimension of the same root mesh as ``device_mesh`` (1-D), or over
+    ``unison.node_mesh()`` with no ``device_mesh``, and ``module`` an ``FSDPModule``
+    (``fully_shard`` applied to the root). Refused with what to do instead: plain and DTensor
+    parameters mixed, no ``device_mesh`` for another mesh, other placements (tensor
     parallelism), another mesh.
     """
     named = list(module.named_parameters())
@@ -83,15 +124,15 @@ def check(module: nn.Module, device_mesh: Any) -> bool:
             f"module whose parameters are all sharded by FSDP2 or none is; apply fully_shard to the root "
             f"module too (fully_shard(model, mesh=mesh['shard'])), which shards the parameters left"
         )
-    if device_mesh is None:
-        raise ValueError(
-            f"parameter {sharded[0]!r} is a DTensor (the module is sharded), so DataParallel needs the mesh "
-            f"dimension it runs across: {_HOW}"
-        )
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
 
-    root = device_mesh._get_root_mesh()
+    if device_mesh is None and not on_node_mesh(module):
+        raise ValueError(
+            f"parameter {sharded[0]!r} is a DTensor (the module is sharded), so DataParallel needs the mesh "
+            f"dimension it runs across: {_HOW}; or shard over unison.node_mesh() and leave device_mesh out"
+        )
+    root = None if device_mesh is None else device_mesh._get_root_mesh()
     for name, p in named:
         mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
         if mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in placements):
@@ -100,6 +141,8 @@ def check(module: nn.Module, device_mesh: Any) -> bool:
                 f"runs over FSDP2's sharding (fully_shard over a 1-D mesh) only, not tensor parallelism or "
                 f"torch's own HSDP (fully_shard with a 2-D mesh); {_HOW}"
             )
+        if device_mesh is None:
+            continue  # every parameter on the node's mesh (on_node_mesh)
         if mesh._get_root_mesh() is not root or mesh.mesh_dim_names == device_mesh.mesh_dim_names:
             raise ValueError(
                 f"parameter {name!r} is sharded over mesh {mesh}, which is not another dimension of the mesh "
@@ -111,6 +154,15 @@ def check(module: nn.Module, device_mesh: Any) -> bool:
             "(fully_shard on the root module)"
         )
     return True
+
+
+def on_node_mesh(module: nn.Module) -> bool:
+    """Whether every parameter of ``module`` is a DTensor on ``unison.node_mesh()``: its replicas are
+    then the processes of the same local rank on every node (``runtime.launch.replica_group``)."""
+    from .runtime.launch import is_node_mesh
+
+    params = list(module.parameters())
+    return bool(params) and all(is_dtensor(p) and is_node_mesh(p.device_mesh) for p in params)  # type: ignore[attr-defined]
 
 
 def local_parameters(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[bool]]:
@@ -167,8 +219,20 @@ def refuse(
             f"{name} with warmup_steps={algorithm.warmup_steps} averages gradients during its warm-up, which "
             "is not built yet over FSDP2; use warmup_steps=0"
         )
+    if fault_tolerant and name not in FAULT_TOLERANT:
+        raise NotImplementedError(
+            f"fault_tolerant=True over a module sharded by FSDP2 runs {', '.join(FAULT_TOLERANT)}; {name} is not "
+            "built yet there (a failure inside FSDP2's backward, or a rank-local state, has no recovery yet)"
+        )
+    schedule = getattr(algorithm, "schedule", None)
+    stagger = schedule() if fault_tolerant and callable(schedule) else None
+    if stagger is not None and (stagger.fragments > 1 or stagger.delay > 0):
+        raise NotImplementedError(
+            f"fault_tolerant=True over a module sharded by FSDP2 runs {name} unstreamed (each sync inside the "
+            f"step that launches it); {algorithm.describe()} streams {stagger.fragments} fragment(s) with a delay "
+            f"of {stagger.delay}: pass fragments=1, delay=0 (e.g. '{name}:fragments=1,delay=0')"
+        )
     for given, option in (
-        (fault_tolerant, "fault_tolerant=True"),
         (nonfinite is not None, f"nonfinite={nonfinite!r}"),
         (debug, "debug=True"),
         (custom is not None, f"{custom}"),

@@ -33,6 +33,8 @@ s is worker i's (i+1)^2 times a fixed random matrix of s (full rank: powersgd ke
 values are in the result's "mats". `--kill ID@STEP:mid` SIGKILLs worker ID inside step STEP's gradient
 round, right after its first powersgd bucket with a matrix is reduced (on the comm thread): the others
 have that bucket's round done and the next one broken.
+`--shard` shards the ledger with FSDP2 over the node's processes (`unison.node_mesh()`): each
+process trains its half of the weights, and its replicas are the same local rank on the other nodes.
 The weights are read after `model.flush()` (nonblocking applies the last step at the next forward).
 """
 
@@ -130,6 +132,7 @@ def main() -> None:
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     p.add_argument("--kill-building", type=int, default=None, help="this worker dies building its groups")
     p.add_argument("--kill-node-groups", type=int, default=None, help="this worker dies building its node groups")
+    p.add_argument("--shard", action="store_true", help="FSDP2 over the node's processes (unison.node_mesh())")
     p.add_argument("--matrices", type=int, default=0, help="two N x N matrices, a bucket each (see above)")
     args = p.parse_args()
     try:
@@ -169,6 +172,12 @@ def slow_heal(pause: float) -> None:
     comm._receive_pieces = paused
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values on this process: its local shard if FSDP2 sharded it."""
+    with torch.no_grad():
+        return (t.to_local() if hasattr(t, "to_local") else t).detach()
+
+
 def die(*args, **kwargs) -> None:
     """SIGKILL this worker (put in place of what it must die inside)."""
     os.kill(os.getpid(), signal.SIGKILL)
@@ -200,6 +209,10 @@ def run(args) -> None:
     net = Ledger(
         args.steps, args.pad_mb, joiner=m.epoch > 1, origin=m.epoch if args.origin else 0, matrices=args.matrices
     )
+    if args.shard:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net, mesh=unison.node_mesh())
     if args.algorithm.startswith("qadam"):
         opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
     else:
@@ -220,7 +233,7 @@ def run(args) -> None:
     stops = [at(k) for k in args.stop]
     leave = at(args.leave)
     first_step = model.ft.step
-    healed = net.w.detach().tolist()
+    healed = local(net.w).tolist()
     while model.ft.step < args.steps:
         s = model.ft.step
         for who, step, when in kills:
@@ -260,7 +273,8 @@ def run(args) -> None:
     model.flush()  # a step recorded and not yet applied (nonblocking) goes into the weights
     result = {
         "id": me,
-        "w": net.w.detach().tolist(),
+        "w": (net.w.full_tensor() if args.shard else net.w).detach().tolist(),
+        "shard": local(net.w).tolist(),
         "mats": [v for mat in net.mats for v in mat.detach().reshape(-1).tolist()],
         "step": model.ft.step,
         "first_step": first_step,

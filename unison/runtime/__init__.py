@@ -18,6 +18,8 @@ from .launch import (
     first_host,
     forget_topology,
     init,
+    node_mesh,
+    replica_group,
     serve_store,
     topology,
 )
@@ -43,7 +45,9 @@ __all__ = [
     "first_host",
     "health",
     "init",
+    "node_mesh",
     "private_group",
+    "replica_group",
     "serve_store",
     "shutdown",
     "src_rank",

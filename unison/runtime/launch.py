@@ -431,8 +431,8 @@ def _follow_membership(m: "member.Member") -> None:
         )
     topo.intra_node_group = topo.inter_node_group = None
     topo.inter_node_groups = []
-    if m.local_world_size > 1 and topo.num_nodes > 1:
-        _build_groups(topo)
+    if m.local_world_size > 1 and (topo.num_nodes > 1 or m.node_group is not None):
+        _build_groups(topo)  # one node: its inter-node groups are one process each (FSDP2's replicas)
 
 
 def topology() -> Topology:
@@ -440,7 +440,63 @@ def topology() -> Topology:
     return _topology if _topology is not None else Topology()
 
 
+_node_meshes: dict[str, Any] = {}
+
+
+def node_mesh(device_type: Optional[str] = None) -> Any:
+    """A 1-D DeviceMesh over this node's processes, its dimension named "shard": the mesh to shard
+    a model over with FSDP2 (``fully_shard(model, mesh=unison.node_mesh())``) before wrapping it
+    with ``DataParallel``, which then runs its algorithm across the nodes (the processes of the
+    same local rank) without a ``device_mesh``.
+
+    Under ``unison launch --fault-tolerant`` its group lives as long as the node (its processes
+    fail and come back together), across every membership; otherwise it is the topology's
+    ``intra_node_group``. Every process of the node calls it, after ``unison.init()``.
+
+    Args:
+        device_type: "cuda" or "cpu"; default "cuda" under NCCL, else "cpu".
+
+    Example::
+
+        unison.init()
+        fully_shard(model, mesh=unison.node_mesh())
+        model = unison.DataParallel(model, optimizer=opt, algorithm="diloco", fault_tolerant=True)
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    topo = _topology
+    if topo is None or topo.world_group is None:
+        raise RuntimeError("unison.node_mesh() needs a job of several processes started by unison.init() first")
+    if device_type is None:
+        device_type = "cuda" if topo.backend == "nccl" else "cpu"
+    if device_type not in _node_meshes:
+        worker = member.active()
+        group = worker.node_process_group() if worker is not None else topo.intra_node_group
+        if group is None:
+            raise RuntimeError(
+                f"unison.node_mesh(): the nodes of this job differ in size ({topo.local_sizes}); "
+                "FSDP2 inside nodes needs nodes of the same number of processes"
+            )
+        _node_meshes[device_type] = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+        if worker is not None and topo.inter_node_group is None and topo.local_world_size > 1:
+            _build_groups(topo)  # a job of one node: every process is here (the replica groups of FSDP2)
+    return _node_meshes[device_type]
+
+
+def is_node_mesh(mesh: Any) -> bool:
+    """Whether ``mesh`` is one ``node_mesh()`` handed out."""
+    return any(mesh is m for m in _node_meshes.values())
+
+
+def replica_group() -> Optional[dist.ProcessGroup]:
+    """The processes of this local rank on every node (``inter_node_group``): the replicas of the
+    shards of a model sharded over ``node_mesh()``; the whole job's group on nodes of one process."""
+    topo = topology()
+    return topo.inter_node_group if topo.local_world_size > 1 else topo.world_group
+
+
 def forget_topology() -> None:
-    """Forget the Topology (``unison.shutdown()`` calls it)."""
+    """Forget the Topology and the node's meshes (``unison.shutdown()`` calls it)."""
     global _topology
     _topology = None
+    _node_meshes.clear()

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .health import RankFailure
+from .node_group import NodeGroup
 
 #: Seconds between two looks at in-process state (the epoch the watcher last saw) while waiting.
 POLL_S = 0.02
@@ -291,6 +292,7 @@ class Member:
         self._admitted = False  # a membership with this worker was published (left out later: evicted)
         self.reaper = _Reaper()  # lets go of abandoned groups and works (see bury)
         self.groups: list[Any] = []  # the groups built for this membership beside its default group
+        self.node_group: Optional[NodeGroup] = None  # the node's group, kept across memberships (node_process_group)
         self.after_regroup: list[Any] = []  # called with this Member once a membership's group is built
         self.committed_step: Optional[int] = None  # the job's committed step, as model.ft last saw it
         self._published_step: Optional[int] = None  # what this worker last wrote under ft/step
@@ -561,6 +563,8 @@ class Member:
             try:
                 build_world(store, rank, len(doc["members"]), RENDEZVOUS_TIMEOUT, self.backend)
                 _backstop(dist.group.WORLD)
+                if self.node_group is not None:
+                    self.node_group.attach()  # with the node's ranks in this membership
                 self.epoch, self.members, self.joiners = epoch, list(doc["members"]), list(doc["joiners"])
                 for hook in self.after_regroup:  # the node groups of the topology (launch.init)
                     hook(self)
@@ -571,6 +575,13 @@ class Member:
                 self._rebuild(epoch)
                 continue
             return doc
+
+    def node_process_group(self) -> Any:
+        """The process group of this worker's node, which outlives memberships (``NodeGroup``):
+        built at the first call, by every process of the node at once."""
+        if self.node_group is None:
+            self.node_group = NodeGroup(self.local_rank, self.local_world_size, GROUP_TIMEOUT)
+        return self.node_group.group
 
     def hold(self) -> None:
         """Note that this process settled into a membership: it holds the job's state from now on
@@ -594,6 +605,8 @@ class Member:
         self.groups = []
         for group in groups:
             _abort(group)
+        if self.node_group is not None:
+            self.node_group.detach()  # the node's group outlives the membership: kept out of the destruction
         dist.destroy_process_group()  # every group; gloo's shutdown does not wait for their work
         for group in groups:
             self.bury(group)
