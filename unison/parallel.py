@@ -169,8 +169,9 @@ class DataParallel(nn.Module):
             group = replica_group()
         elif fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
             sharded.refuse_call(
-                "fault_tolerant=True", " over a device_mesh: shard over unison.node_mesh(), whose group outlives "
-                "the memberships, and leave device_mesh out"
+                "fault_tolerant=True",
+                " over a device_mesh: shard over unison.node_mesh(), whose group outlives "
+                "the memberships, and leave device_mesh out",
             )
         worker = joining_member(fault_tolerant, algorithm, None if on_nodes else group, optimizer)
         self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
