@@ -162,6 +162,11 @@ class FaultPolicy(Protocol):
     def at_boundary(self) -> None:
         """Between two training steps (a membership change noticed there is taken up now)."""
 
+    def agree(self) -> bool:
+        """Over a model sharded by FSDP2: the node's processes recover together from a failure one
+        of them met; True if they did (False at once elsewhere)."""
+        ...
+
 
 class NoFaultTolerance:
     """Fault tolerance off: nothing is recovered from, every step is committed."""
@@ -185,6 +190,9 @@ class NoFaultTolerance:
 
     def at_boundary(self) -> None:
         pass
+
+    def agree(self) -> bool:
+        return False
 
 
 class Core:
@@ -266,13 +274,20 @@ class Core:
             raise failure from exc
 
     def recovering(self, fn: Callable[[], T]) -> T:
-        """``fn()``, run again after each failure fault tolerance recovers from (``average()``)."""
+        """``fn()``, run again after each failure fault tolerance recovers from (``average()``).
+
+        Over FSDP2 the node's processes then agree whether one of them met a failure (``agree``):
+        if one did, all of them recover, and run ``fn()`` again."""
         while True:
             try:
-                return fn()
+                result = fn()
             except Exception as exc:
                 if not self.fault.recover(exc, "drop"):
                     raise
+                self.fault.agree()
+                continue
+            if not self.fault.agree():
+                return result
 
     @property
     def fault_tolerant(self) -> bool:

@@ -49,6 +49,30 @@ def test_a_node_fails_and_its_replacement_heals_shard_by_shard(tmp_path, algorit
     assert found[6]["healed"] != found[7]["healed"] or not ledger
 
 
+def test_a_node_lost_at_the_final_average_is_recovered_by_every_process_of_the_others(tmp_path):
+    """Worker 1 dies after its last step, as the others average their replicas (``average()``):
+    only the replicas of its local rank see their round fail; their node siblings, whose round
+    ended, recover with them (the node agrees), and every replica ends equal on 2 nodes."""
+    code, err, found = launch(
+        tmp_path / "out",
+        ("--nodes", "3", "--procs-per-node", "2"),
+        "--shard",
+        "--algorithm",
+        "diloco:period=4,fragments=1,delay=0",
+        "--kill",
+        "1@29:after",
+        "--average-at-end",
+        "--ramp",
+        steps=30,
+        sleep=0.05,
+    )
+    assert code == 0, err[-3000:]
+    assert sorted(found) == [2, 3, 4, 5], err[-3000:]
+    for result in found.values():
+        assert result["step"] == 30 and result["members"] == [2, 3, 4, 5] and result["w"] == found[2]["w"]
+        assert "regroup" in [kind for _, kind, _ in result["events"]]
+
+
 def test_what_fault_tolerance_cannot_run_over_fsdp2_is_refused_at_construction(tmp_path):
     """diloco at its default streams its fragments, each sync landing steps after its launch: not
     built under fault tolerance over FSDP2, so refused at construction with what to pass."""
