@@ -26,9 +26,12 @@ RUNS = {
     "fault_tolerant.py": ("unison launch", ["--epochs", "1"]),
     "lightning_classifier.py": ("python", ["--max-epochs", "1"]),
     "sharded.py": ("torchrun", ["--nodes", "2", "--epochs", "2"]),
+    "sharded_fault_tolerant.py": ("unison launch", ["--epochs", "2"]),
 }
 #: torchrun's options where an example needs other than 2 processes
 PROCESSES = {"sharded.py": 4}
+#: ``unison launch``'s options where an example needs other than 2 processes of a node each
+NODES = {"sharded_fault_tolerant.py": ["--nodes", "2", "--procs-per-node", "2"]}
 
 
 def run_example(name: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -40,7 +43,8 @@ def run_example(name: str, cwd, timeout: float = 120) -> subprocess.CompletedPro
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     if how == "unison launch":
-        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", script, *args]
+        layout = NODES.get(name, ["--nproc", "2"])
+        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *layout, script, *args]
     else:
         cmd = [sys.executable, script, *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -113,4 +117,15 @@ def test_sharded_trains_fsdp2_inside_nodes_and_diloco_across(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0], proc.stdout  # rank 0 only, and it learns
     assert "sent" in proc.stdout and "bytes per step across the nodes" in proc.stdout
     weights = torch.load(tmp_path / "sharded.pt")  # the whole model, gathered from its shards
+    assert weights["0.weight"].shape == (256, 32) and all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_sharded_fault_tolerant_trains_fsdp2_nodes_under_the_coordinator(tmp_path):
+    proc = run_example("sharded_fault_tolerant.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all(line.endswith("members [0, 1, 2, 3]") for line in epochs), proc.stdout
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in epochs]
+    assert losses[1] < losses[0], proc.stdout  # it learns
+    weights = torch.load(tmp_path / "sharded_fault_tolerant.pt")  # the whole model, gathered from its shards
     assert weights["0.weight"].shape == (256, 32) and all(torch.isfinite(w).all() for w in weights.values())
