@@ -104,7 +104,8 @@ def test_the_upward_import_is_data():
 # c10d's _world: the count that names unnamed groups, put back after a failed regroup, autograd's
 # sequence numbers, which order a forward's ops for nonblocking's check, DeviceMesh's root mesh,
 # which says whether FSDP2's mesh and device_mesh are dimensions of one mesh, an optimizer's step
-# hooks, held off while torch.distributed.checkpoint's state-dict helpers step it to make its state, ...).
+# hooks, held off while torch.distributed.checkpoint's state-dict helpers step it to make its state,
+# c10d's group registry, out of which a node's group is taken around a regroup and put back, ...).
 TORCH_PRIVATE = {
     "_C",
     "_autograd",
@@ -121,6 +122,9 @@ TORCH_PRIVATE = {
     "_get_root_mesh",
     "_optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks",
+    "_distributed_c10d",
+    "_register_process_group",
+    "_unregister_process_group",
 }
 
 
