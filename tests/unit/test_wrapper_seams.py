@@ -23,9 +23,10 @@ class Scripted:
 
     active = False
 
-    def __init__(self, committed: bool = True, recovers: bool = False) -> None:
+    def __init__(self, committed: bool = True, recovers: bool = False, agrees: int = 0) -> None:
         self.calls: list[str] = []
         self._committed, self._recovers = committed, recovers
+        self._agrees = agrees  # how many agreements recover (a sibling process met a failure)
 
     def start(self) -> None:
         self.calls.append("start")
@@ -43,6 +44,11 @@ class Scripted:
 
     def at_boundary(self) -> None:
         self.calls.append("boundary")
+
+    def agree(self) -> bool:
+        self.calls.append("agree")
+        self._agrees -= 1
+        return self._agrees >= 0
 
 
 def step(core: Core, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -125,6 +131,16 @@ def test_recovering_runs_again_after_a_recovered_failure():
         return len(tries)
 
     assert core.recovering(flaky) == 3
+
+
+def test_recovering_runs_again_when_the_node_recovered_for_a_sibling():
+    """Over FSDP2 a round that ended here is run again when the node agreed to recover (a sibling's
+    round failed): ``agree`` after it said so."""
+    core = core_with(Recorder(), net())
+    core.fault = Scripted(agrees=1)
+    tries = []
+    assert core.recovering(lambda: tries.append(1) or len(tries)) == 2
+    assert core.fault.calls == ["agree", "agree"]
 
 
 def test_ddp_keywords_take_torch_meanings_and_refuse_others():
