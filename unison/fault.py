@@ -598,7 +598,7 @@ class FaultTolerance:
 def _module_state(model: Guarded) -> dict[str, torch.Tensor]:
     """The module's state dict; over FSDP2 its local shards (views sharing the parameters' storage)."""
     state = model.module.state_dict()
-    return {name: sharded.local(t) for name, t in state.items()} if model.core.fsdp2 else state
+    return sharded.local_state(state) if model.core.fsdp2 else state
 
 
 def recovery(model: Guarded) -> algos.Recovery:

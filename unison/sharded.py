@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .engine import halfcast
 from .engine.comm import ring_bytes
@@ -67,15 +68,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_state(obj: Any) -> Any:
-    """``obj`` (dicts, lists, tuples) with every DTensor replaced by its local shard: an optimizer's
-    state over FSDP2 as plain tensors, that a heal sends point to point."""
-    if isinstance(obj, torch.Tensor):
-        return local(obj)
-    if isinstance(obj, dict):
-        return {k: local_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(local_state(v) for v in obj)
-    return obj
+    """``obj`` (dicts, lists, tuples) with every DTensor replaced by its local shard: a module's or
+    an optimizer's state over FSDP2 as plain tensors, that a heal sends point to point."""
+    return tree_map(lambda t: local(t) if isinstance(t, torch.Tensor) else t, obj)
 
 
 def as_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
