@@ -23,7 +23,8 @@ STEPS = 60
 )
 def test_a_node_fails_and_its_replacement_heals_shard_by_shard(tmp_path, algorithm):
     ledger = algorithm.startswith("local_sgd")
-    more = () if ledger else ("--average-at-end", "--ramp")
+    # Momentum (no ledger then): the optimizer state heals too, its DTensors sent as local shards.
+    more = () if ledger else ("--average-at-end", "--ramp", "--momentum", "0.5")
     code, err, found = launch(
         tmp_path / "out", NODES, "--shard", "--algorithm", algorithm, "--kill", "1@10", *more, steps=STEPS, sleep=0.05
     )

@@ -54,6 +54,7 @@ from unison.algorithms.gradient.allreduce import AllReduce
 from unison.engine import comm
 from unison.runtime import launch as launch_module
 from unison.runtime import member
+from unison.sharded import local  # a tensor's values on this process: its local shard if FSDP2 sharded it
 
 PAD_MOD = 9973
 
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--slow-heal", type=float, default=0.0, help="pause this long after each heal piece received")
     p.add_argument("--kill-building", type=int, default=None, help="this worker dies building its groups")
     p.add_argument("--kill-node-groups", type=int, default=None, help="this worker dies building its node groups")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum (its buffers heal too; no ledger)")
     p.add_argument("--shard", action="store_true", help="FSDP2 over the node's processes (unison.node_mesh())")
     p.add_argument("--matrices", type=int, default=0, help="two N x N matrices, a bucket each (see above)")
     args = p.parse_args()
@@ -172,12 +174,6 @@ def slow_heal(pause: float) -> None:
     comm._receive_pieces = paused
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values on this process: its local shard if FSDP2 sharded it."""
-    with torch.no_grad():
-        return (t.to_local() if hasattr(t, "to_local") else t).detach()
-
-
 def die(*args, **kwargs) -> None:
     """SIGKILL this worker (put in place of what it must die inside)."""
     os.kill(os.getpid(), signal.SIGKILL)
@@ -216,7 +212,7 @@ def run(args) -> None:
     if args.algorithm.startswith("qadam"):
         opt = unison.optim.QAdamOptimizer(net.parameters(), lr=0.1, warmup_steps=5)
     else:
-        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+        opt = torch.optim.SGD(net.parameters(), lr=1.0, momentum=args.momentum)
     group = None
     if args.group == "world":
         group = torch.distributed.group.WORLD
