@@ -6,7 +6,7 @@ back), bytegrad's 8-bit min-max encode and decode (``MinMax8``, one row per
 rank of a 2-rank group), and PowerSGD rank-4 compress (P = M Q, orthogonalize,
 Q = M^T P) and decompress with error feedback (M - P Q^T kept, P Q^T written)
 on the MLP's matrices, and the low-bandwidth codecs at their defaults: sparseloco's
-tile-wise top-k with 2-bit binned values (``engine.tiled_topk.TiledTopK``: encode with error feedback,
+tile-wise top-k with 2-bit binned values (``engine.codecs.tiled_topk.TiledTopK``: encode with error feedback,
 one message's decode-add) and demo's per-bucket work (the momentum, the DCT per chunk,
 the top-k, the inverse DCT of what is kept; a decode: one message added; the inverse DCT of the average).
 Throughput is float32 gradient bytes per second (the input of an
@@ -41,10 +41,9 @@ from common import WORKLOADS
 
 import unison
 from unison.algorithms.gradient import powersgd
-from unison.engine import dct
-from unison.engine.codecs import LowRank, MinMax8
-from unison.engine.tiled_topk import TiledTopK
-from unison.engine.tiles import TiledBuffer, Tiles
+from unison.engine.codecs import LowRank, MinMax8, dct
+from unison.engine.codecs.tiled_topk import TiledTopK
+from unison.engine.codecs.tiles import TiledBuffer, Tiles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_JSON = os.path.join(HERE, "results", "codecs.json")
@@ -122,7 +121,7 @@ def sparseloco_cases(flat: torch.Tensor) -> dict:
 
 
 def demo_cases(flat: torch.Tensor) -> dict:
-    """demo's per-bucket work at its defaults (engine.dct): encode = ``m = beta m + g``, the DCT of
+    """demo's per-bucket work at its defaults (engine.codecs.dct): encode = ``m = beta m + g``, the DCT of
     each chunk, the top-k taken out, the inverse DCT of the rest; decode = one message added into
     the average (once per rank); inverse = the average's inverse DCT (once per bucket)."""
     algo = unison.algorithms.create("demo")

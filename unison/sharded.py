@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .engine import halfcast
+from .engine.codecs import halfcast
 from .engine.comm import ring_bytes
 
 #: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.

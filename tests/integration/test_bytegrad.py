@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from models import MLP, batch
 from scenarios import mse_loss, spread_across_ranks
-from unit.codec_reference import dequantize_minmax, minmax_bytes, quantize_minmax
+from unit.codecs.codec_reference import dequantize_minmax, minmax_bytes, quantize_minmax
 
 import unison
 from unison.algorithms.gradient.bytegrad import ByteGrad, Exchange, wire_bytes_8bit
-from unison.engine import codecs
 from unison.engine.codecs import MinMax8
+from unison.engine.codecs import minmax8 as codecs
 
 STEPS = 5
 # Largest relative difference allowed between bytegrad's and allreduce's parameter

@@ -15,9 +15,9 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from tests.unit.topk_reference import quantized_topk
-from unison.engine.dct import message_bytes
-from unison.engine.topk import SCALE_DTYPES
+from tests.unit.codecs.topk_reference import quantized_topk
+from unison.engine.codecs.dct import message_bytes
+from unison.engine.codecs.topk import SCALE_DTYPES
 
 LR = 0.05
 # (options, steps): float32 values (the paper's) without the sign, chunks of 64, the mean over all ranks;
@@ -178,7 +178,7 @@ def check_against_reference() -> list[dict]:
 
 
 def message_size(options: dict, bucket) -> int:
-    """Bytes of one rank's message of ``bucket``, from its layout: chunks as ``engine.dct`` packs
+    """Bytes of one rank's message of ``bucket``, from its layout: chunks as ``engine.codecs.dct`` packs
     them; tiles with 12-bit indices (packed in pairs) for tiles of more than 256 values, else 8."""
     chunk, topk, bits = options["chunk"], options["topk"], options.get("bits")
     scale = SCALE_DTYPES[options["scale_dtype"]]

@@ -15,7 +15,13 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from tests.unit.topk_reference import binned, quantized_topk, sparseloco_sync, sparseloco_tiled_sync, tile_positions
+from tests.unit.codecs.topk_reference import (
+    binned,
+    quantized_topk,
+    sparseloco_sync,
+    sparseloco_tiled_sync,
+    tile_positions,
+)
 
 FIRST_FORM = {"layout": "flat", "quantizer": "max", "mean": "world"}  # unison's first form, before the references'
 # (options, steps). The first form: 2-bit values with uint8 indices (chunks of 248) and decay; 4-bit with

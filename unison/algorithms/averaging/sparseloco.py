@@ -2,8 +2,8 @@
 
 Every ``period`` inner steps each rank adds its pseudo-gradient (the global weights at the last
 sync minus its weights) to an error-feedback buffer decayed by ``beta``, sends the top-k entries
-of each 64 x 64 tile of each tensor quantized to ``bits`` bits (``engine.tiles``,
-``engine.tiled_topk``), and keeps the rest. The ranks all-gather the fixed-size messages, each
+of each 64 x 64 tile of each tensor quantized to ``bits`` bits (``engine.codecs.tiles``,
+``engine.codecs.tiled_topk``), and keeps the rest. The ranks all-gather the fixed-size messages, each
 decodes them and takes each coordinate's mean over the ranks that sent it, and the outer step is
 plain descent: ``global -= outer_lr * average`` (the error feedback stands in for DiLoCo's outer
 momentum). Every rank then takes the new global weights. As the paper's release and Templar run
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ...engine.averaging import average_async
+from ...engine.codecs.tiled_topk import TiledTopK
+from ...engine.codecs.tiles import TiledBuffer, Tiles
+from ...engine.codecs.topk import BITS, SCALE_DTYPES
 from ...engine.comm import Finished, Waitable, start
 from ...engine.comm import wait as comm_wait
 from ...engine.hierarchy import TwoLevel
-from ...engine.tiled_topk import TiledTopK
-from ...engine.tiles import TiledBuffer, Tiles
-from ...engine.topk import BITS, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
 from ..contract import Recovery
@@ -142,7 +142,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             a matrix in ``tile x tile`` tiles (sides the largest divisors of its rows and columns
             up to ``tile``), a vector in chunks of ``tile`` values, so every tensor sends its
             share; ``"flat"``: the fragment's tensors end to end in chunks of ``chunk`` values,
-            where tensors compete for each chunk's entries (``engine.tiles``).
+            where tensors compete for each chunk's entries (``engine.codecs.tiles``).
         tile: the side of a tile (``layout="tiles"``; default 64).
         chunk: values per chunk (``layout="flat"``; default 4096).
         density: the share of each chunk sent, in (0, 1]: 1/64, Templar's production (64 of a
@@ -168,7 +168,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
 
     A message is the tables (or scales), each chunk's ``k`` positions (12 bits up to 4096 values
     a chunk, two to 3 bytes) and the codes bit-packed: about ``density * (12 + bits) / 32`` of
-    fp32's bytes (0.68% at the defaults; ``engine.tiled_topk``): on 4 ranks, about 1/70 of what
+    fp32's bytes (0.68% at the defaults; ``engine.codecs.tiled_topk``): on 4 ranks, about 1/70 of what
     fp32 diloco sends (an all-gather's bytes grow with the ranks: ``W / 2`` times the message's
     share). Floating-point buffers (BatchNorm statistics) are averaged densely with the last fragment.
 

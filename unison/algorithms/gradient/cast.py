@@ -16,8 +16,8 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from ...engine import halfcast
 from ...engine.buckets import Bucket
+from ...engine.codecs import halfcast
 from ...engine.comm import Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
@@ -27,7 +27,7 @@ from ..contract import Algorithm, Recovery, State
 
 class CastState(State):
     """The two levels when asked for. No wire buffer: a bucket is cast in its own bytes
-    (``unison.engine.halfcast``), so a cast costs no memory beyond the bucket."""
+    (``unison.engine.codecs.halfcast``), so a cast costs no memory beyond the bucket."""
 
     __slots__ = ("levels",)
 

@@ -4,7 +4,7 @@ Each rank folds its gradient into a momentum of its own (``m = beta m + g``), ta
 each chunk of it (``layout="tiles"``: the 2-D DCT of each tile of a matrix, as the paper's code
 does), sends the top-k coefficients of each chunk and removes them from ``m`` (the
 rest stays, as error feedback does). The ranks all-gather the fixed-size messages
-(``engine.dct``), each decodes and averages them and takes the inverse DCT: that average (or
+(``engine.codecs.dct``), each decodes and averages them and takes the inverse DCT: that average (or
 its sign, ``sign=True``) is the gradient the user's optimizer sees. Bucket by bucket, so the
 exchange overlaps with backward. ``hierarchical``: the node sums the gradients at full precision
 and each local rank keeps the momentum of its shard (whole chunks) of the node's mean; only its
@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from ...engine import offload
 from ...engine.buckets import Bucket
+from ...engine.codecs.dct import Codec, codec, dct_matrix, message_bytes, transform_, transform_tiles_
+from ...engine.codecs.tiled_topk import BLOCK as TILED_BLOCK
+from ...engine.codecs.tiled_topk import TiledTopK
+from ...engine.codecs.tiles import Tiles
+from ...engine.codecs.topk import BITS, BLOCK, SCALE_DTYPES
 from ...engine.comm import Pending, Waitable, start
 from ...engine.comm import wait as comm_wait
-from ...engine.dct import Codec, codec, dct_matrix, message_bytes, transform_, transform_tiles_
 from ...engine.hierarchy import TwoLevel
-from ...engine.tiled_topk import BLOCK as TILED_BLOCK
-from ...engine.tiled_topk import TiledTopK
-from ...engine.tiles import Tiles
-from ...engine.topk import BITS, BLOCK, SCALE_DTYPES
 from ...replica import Replica
 from .. import options
 from ..contract import Algorithm, Recovery, State
@@ -41,7 +41,7 @@ from .qadam_optimizer import QAdamOptimizer
 class Entry:
     """One bucket's momentum in DeMo's layout, in one float32 flat: ``layout="chunks"``, each
     parameter's values from a whole chunk on, padded with zeros to whole chunks; ``"tiles"``,
-    the parameters cut in tiles (``tiles``, ``engine.tiles.Tiles``), each tile contiguous.
+    the parameters cut in tiles (``tiles``, ``engine.codecs.tiles.Tiles``), each tile contiguous.
     ``views`` pair with the parameters as ``pair`` shapes them, ``pad`` lists the padding's
     positions (kept at zero). Under fault tolerance a hierarchical rank's ``before`` holds its
     shard's momentum as it was before the fold of the round in flight (``folded``: the slice it
@@ -249,7 +249,7 @@ class Demo(Algorithm[DemoState]):
         mean: ``"senders"`` (the paper's code): each coefficient's mean over the ranks that sent
             it; ``"world"``: the sum of the messages over the number of ranks (a coefficient one
             rank of four sent moves a quarter as far).
-        bits: 2, 4 or 8 quantizes the values sent with one scale per chunk (``engine.topk``);
+        bits: 2, 4 or 8 quantizes the values sent with one scale per chunk (``engine.codecs.topk``);
             32 sends them as float32, as the paper does.
         scale_dtype: with 2, 4 or 8 ``bits``, the dtype of each chunk's scale on the wire:
             ``"bf16"`` (the default) or ``"fp32"`` (4 bytes instead of 2: with
@@ -257,7 +257,7 @@ class Demo(Algorithm[DemoState]):
         layout: ``"chunks"``: every parameter cut into chunks of ``chunk`` values, a 1-D DCT
             each; ``"tiles"`` (the paper's code): a matrix (seen as ``shape[0] x rest``) cut into
             ``chunk x chunk`` tiles (each side the largest divisor of its dimension not above
-            ``chunk``: ``engine.tiles.Tiles``), a 2-D DCT each, and ``topk / chunk`` of each
+            ``chunk``: ``engine.codecs.tiles.Tiles``), a 2-D DCT each, and ``topk / chunk`` of each
             tile's coefficients sent (128 of a 64 x 64 tile at the defaults: the same share);
             vectors in chunks as before. Its indices take 12 bits (a tile holds up to 4096
             values) and its ``bits``-bit values one scale per tile. Not with ``hierarchical``.

@@ -1,4 +1,4 @@
-"""DeMo's codec (unison.engine.dct): the orthonormal DCT, the top-k per chunk, what is sent plus
+"""DeMo's codec (unison.engine.codecs.dct): the orthonormal DCT, the top-k per chunk, what is sent plus
 what stays equals the momentum, the message's size, and the options refused with a clear error."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import unison
-from unison.engine.dct import FullTopK, codec, dct_matrix, message_bytes, transform_, transform_tiles_
-from unison.engine.tiles import Tiles
-from unison.engine.topk import BLOCK
+from unison.engine.codecs.dct import FullTopK, codec, dct_matrix, message_bytes, transform_, transform_tiles_
+from unison.engine.codecs.tiles import Tiles
+from unison.engine.codecs.topk import BLOCK
 
 
 @pytest.mark.parametrize("n", [1, 16, 64, 100])

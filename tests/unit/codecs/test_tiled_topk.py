@@ -1,5 +1,5 @@
-"""SparseLoCo's layout and codec as its references run them (``unison.engine.tiles``,
-``unison.engine.tiled_topk``): each tensor's tiles, the top-k per tile, the binned 2-bit values,
+"""SparseLoCo's layout and codec as its references run them (``unison.engine.codecs.tiles``,
+``unison.engine.codecs.tiled_topk``): each tensor's tiles, the top-k per tile, the binned 2-bit values,
 12-bit indices, the mean over senders; each against a plain reference (tests/unit/topk_reference.py)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.topk_reference import quantized_topk, tile_positions, tiled_message
-from unison.engine.tiled_topk import TiledTopK, index_bytes, pack_indices, unpack_indices
-from unison.engine.tiles import TiledBuffer, Tiles
-from unison.engine.topk import TopK
+from tests.unit.codecs.topk_reference import quantized_topk, tile_positions, tiled_message
+from unison.engine.codecs.tiled_topk import TiledTopK, index_bytes, pack_indices, unpack_indices
+from unison.engine.codecs.tiles import TiledBuffer, Tiles
+from unison.engine.codecs.topk import TopK
 
 CPU = torch.device("cpu")
 # a matrix in 64 x 64 tiles, one in 48 x 64 (96 rows), a vector of 64, one of a prime length (chunks
@@ -125,7 +125,7 @@ def test_the_mean_is_over_the_senders_of_each_coordinate(senders):
 
 
 def test_the_first_form_is_the_flat_max_codec_bit_for_bit():
-    """``layout="flat"``, ``quantizer="max"``: the same decoded values as ``engine.topk.TopK``."""
+    """``layout="flat"``, ``quantizer="max"``: the same decoded values as ``engine.codecs.topk.TopK``."""
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
     tiles = Tiles([x.shape], "flat", 4096, 0.02)
     codec = TiledTopK(tiles.runs, 2, "max")

@@ -1,5 +1,5 @@
 """SparseLoCo's compression written plainly (loops, no packing, no buffers): what
-``unison.engine.topk`` and the ``sparseloco`` algorithm must compute, for the tests."""
+``unison.engine.codecs.topk`` and the ``sparseloco`` algorithm must compute, for the tests."""
 
 from __future__ import annotations
 

@@ -19,7 +19,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fits", "narrow_", "widen_"]
+__all__ = ["WIRE_DTYPES", "fits", "from_wire", "narrow_", "to_wire", "widen_", "wire_dtype"]
+
+#: Cast codecs: the dtypes a tensor may travel in, by the value of a ``wire_dtype`` option
+#: (DiLoCo's, DASO's).
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wire_dtype(value: object) -> "torch.dtype | None":
+    """The wire dtype named by ``value`` (a name of ``WIRE_DTYPES`` or one of its dtypes), else None."""
+    if isinstance(value, torch.dtype):
+        return value if value in WIRE_DTYPES.values() else None
+    return WIRE_DTYPES.get(value) if isinstance(value, str) else None
+
 
 #: Values cast through a temporary: the first range, of which the narrow form overlaps the wide one.
 FIRST = 1 << 16

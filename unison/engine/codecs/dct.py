@@ -3,7 +3,7 @@
 
 ``dct_matrix(n)`` is the orthonormal DCT-II basis (rows are the cosines), so a chunk's coefficients
 are ``x @ D.T`` and ``c @ D`` is the chunk again. The top-k of the coefficients goes either through
-``engine.topk.TopK`` (2/4/8-bit values and a scale per chunk) or ``FullTopK``: the same fixed-size
+``engine.codecs.topk.TopK`` (2/4/8-bit values and a scale per chunk) or ``FullTopK``: the same fixed-size
 message with float32 values (the values, then the indices in the smallest integer type).
 
 See docs/algorithms.md#demo.
@@ -66,7 +66,7 @@ class FullTopK:
     """The chunk-wise top-k of ``numel`` values (a whole number of chunks of ``chunk``) with
     float32 values, in fixed-size messages: the values ``[chunks, k]``, then their positions in
     the chunk (``[chunks, k]``, uint8 up to 256 values per chunk, int16 up to 32768), padded
-    to a multiple of 4 bytes. The face of ``engine.topk.TopK`` (``encode``, ``decode_add``, ``empty``).
+    to a multiple of 4 bytes. The face of ``engine.codecs.topk.TopK`` (``encode``, ``decode_add``, ``empty``).
 
     Example::
 

@@ -1,4 +1,4 @@
-"""SparseLoCo's codec (``unison.engine.topk``): the round trip against a plain reference, the
+"""SparseLoCo's codec (``unison.engine.codecs.topk``): the round trip against a plain reference, the
 density and message size as configured, exact bit packing, error feedback that loses nothing;
 the algorithm's options, and its outer step on a world of one against the same reference."""
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
-from tests.unit.topk_reference import quantized_topk, sparseloco_sync
-from unison.engine.tiled_topk import TiledTopK
-from unison.engine.tiles import Tiles
-from unison.engine.topk import TopK, index_dtype, layout, pack, unpack
+from tests.unit.codecs.topk_reference import quantized_topk, sparseloco_sync
+from unison.engine.codecs.tiled_topk import TiledTopK
+from unison.engine.codecs.tiles import Tiles
+from unison.engine.codecs.topk import TopK, index_dtype, layout, pack, unpack
 
 
 def padded(codec: TopK, x: torch.Tensor) -> torch.Tensor:
