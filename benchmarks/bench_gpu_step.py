@@ -48,7 +48,7 @@ SKIPS = {
     "bytegrad": "skips its codec at a world of one (bytegrad.reduce_bucket)",
     "qadam": "skips its codec at a world of one (bytegrad's exchange)",
     "decentralized": "no neighbours at a world of one (decentralized.ring_neighbours)",
-    "low_precision_decentralized": "no neighbours at a world of one: encodes, sends nothing",
+    "low_precision_decentralized": "no neighbours at a world of one (decentralized.ring_neighbours)",
 }
 SMOKE = {"vocab": 256, "d_model": 32, "layers": 2, "heads": 2, "context": 16, "batch": 2}
 

@@ -379,8 +379,25 @@ class Demo(Algorithm[DemoState]):
         if state.levels is not None:
             return self._reduce_nodes(state, bucket, entry)
         _, code, mine, everyone = self._codec(state, bucket, entry, world)
-        m = entry.flat
         saved = self._saved(replica, bucket) if state.keeps else None
+        self.encode(state, bucket, entry, code, mine, saved)
+        work = start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
+        return Gathered(work, self, state, bucket, entry, code, everyone)
+
+    def encode(
+        self,
+        state: DemoState,
+        bucket: Bucket,
+        entry: Entry,
+        code: Union[Codec, TiledTopK],
+        mine: torch.Tensor,
+        saved: Optional[list[torch.Tensor]] = None,
+    ) -> None:
+        """Fold the bucket's gradients into the momentum, take its DCT, write its top-k into
+        ``mine`` and leave the rest in the momentum (back through the inverse DCT). The
+        transforms and the codec run their device's schedule (``engine.codecs.schedule``): on a
+        GPU a fixed number of ops whatever the bucket's size."""
+        m = entry.flat
         with torch.no_grad():
             if state.keeps and saved is None:
                 entry.keep(state.on_host)
@@ -395,8 +412,6 @@ class Demo(Algorithm[DemoState]):
                 m.index_fill_(0, entry.pad, 0.0)  # the padding holds no momentum
             if saved is not None:
                 entry.lend(saved, self.beta, folded=False)
-        work = start(dist.all_gather, list(everyone.unbind(0)), mine, group=group)
-        return Gathered(work, self, state, bucket, entry, code, everyone)
 
     def after_backward(self, replica: Replica, state: DemoState) -> None:
         state.momenta.settle()

@@ -12,10 +12,11 @@ See docs/algorithms.md#demo.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
+from .schedule import WHOLE, schedule_for
 from .topk import BLOCK, TopK, index_dtype, sections
 
 CPU = torch.device("cpu")
@@ -32,9 +33,14 @@ def dct_matrix(n: int, device: torch.device = CPU, dtype: torch.dtype = torch.fl
     return d.to(device=device, dtype=dtype)
 
 
-def transform_(rows: torch.Tensor, matrix: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """``rows = rows @ matrix`` in place (``rows`` ``[r, n]``), a block of rows at a time through
-    ``scratch`` (at least ``n`` values); returns ``rows``."""
+def transform_(
+    rows: torch.Tensor, matrix: torch.Tensor, scratch: torch.Tensor, schedule: Optional[str] = None
+) -> torch.Tensor:
+    """``rows = rows @ matrix`` in place (``rows`` ``[r, n]``); returns ``rows``. Blocked: a block
+    of rows at a time through ``scratch`` (at least ``n`` values); whole (``schedule_for(rows.device,
+    schedule)``): one product of all rows into a temporary of their size and one copy back."""
+    if schedule_for(rows.device, schedule) == WHOLE:
+        return rows.copy_(torch.mm(rows, matrix))
     n = matrix.shape[0]
     per = max(1, scratch.numel() // n)
     for r0 in range(0, rows.shape[0], per):
@@ -46,12 +52,20 @@ def transform_(rows: torch.Tensor, matrix: torch.Tensor, scratch: torch.Tensor) 
 
 
 def transform_tiles_(
-    tiles: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scratch: torch.Tensor
+    tiles: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scratch: torch.Tensor,
+    schedule: Optional[str] = None,
 ) -> torch.Tensor:
     """``tiles[t] = left @ tiles[t] @ right`` in place for each tile of ``tiles`` (``[T, h, w]``,
-    contiguous; ``left`` ``[h, h]``, ``right`` ``[w, w]``), a block of tiles at a time through
-    ``scratch`` (at least ``h * w`` values); returns ``tiles``. With ``left = D_h`` and
-    ``right = D_w.T`` it is each tile's 2-D DCT, with ``D_h.T`` and ``D_w`` its inverse."""
+    contiguous; ``left`` ``[h, h]``, ``right`` ``[w, w]``); returns ``tiles``. With ``left = D_h``
+    and ``right = D_w.T`` it is each tile's 2-D DCT, with ``D_h.T`` and ``D_w`` its inverse.
+    Blocked: a block of tiles at a time through ``scratch`` (at least ``h * w`` values); whole
+    (``schedule_for(tiles.device, schedule)``): both products over all tiles at once (the
+    right one into a temporary of their size, the left one batched back into ``tiles``)."""
+    if schedule_for(tiles.device, schedule) == WHOLE:
+        return torch.matmul(left, torch.matmul(tiles, right), out=tiles)
     count, h, w = tiles.shape
     per = max(1, scratch.numel() // (h * w))
     for t0 in range(0, count, per):
@@ -67,6 +81,9 @@ class FullTopK:
     float32 values, in fixed-size messages: the values ``[chunks, k]``, then their positions in
     the chunk (``[chunks, k]``, uint8 up to 256 values per chunk, int16 up to 32768), padded
     to a multiple of 4 bytes. The face of ``engine.codecs.topk.TopK`` (``encode``, ``decode_add``, ``empty``).
+    ``schedule`` (``engine.codecs.schedule``): the encode's top-k a block of chunks at a time
+    (the CPU's) or over all chunks at once (``"whole"``, other devices); the decode is one
+    scatter-add in both.
 
     Example::
 
@@ -76,7 +93,13 @@ class FullTopK:
     """
 
     def __init__(
-        self, numel: int, chunk: int, topk: int, device: torch.device = CPU, scratch: Optional[torch.Tensor] = None
+        self,
+        numel: int,
+        chunk: int,
+        topk: int,
+        device: torch.device = CPU,
+        scratch: Optional[torch.Tensor] = None,
+        schedule: Optional[str] = None,
     ) -> None:
         if chunk < 1 or numel < 1 or numel % chunk:
             raise ValueError(f"numel must be a positive multiple of chunk, got numel={numel!r}, chunk={chunk!r}")
@@ -85,6 +108,7 @@ class FullTopK:
         self.numel, self.size, self.k = numel, chunk, topk
         self.chunks = numel // chunk
         self.device = torch.device(device)
+        self.schedule = schedule_for(self.device, schedule)
         self.index_dtype = index_dtype(chunk)
         width = torch.empty((), dtype=self.index_dtype).element_size()
         count = self.chunks * topk
@@ -116,6 +140,13 @@ class FullTopK:
         ``feedback`` the sent entries are set to zero in ``values`` (the rest stays). Returns ``message``."""
         grid = values.view(self.chunks, self.size)
         sent, indices = self.parts(message)
+        if self.schedule == WHOLE:
+            _, where = torch.topk(grid.abs(), self.k, dim=1, sorted=False)
+            torch.gather(grid, 1, where, out=sent)
+            indices.copy_(where)
+            if feedback:
+                grid.scatter_(1, where, 0.0)
+            return message
         for c0 in range(0, self.chunks, self.block):
             rows = grid[c0 : c0 + self.block]
             magnitudes = torch.abs(rows, out=self._magnitudes[: rows.shape[0]])
@@ -153,13 +184,16 @@ def codec(
     device: torch.device,
     scratch: torch.Tensor,
     scale_dtype: torch.dtype = torch.float32,
+    schedule: Optional[str] = None,
 ) -> Codec:
     """The top-k codec of ``numel`` values (whole chunks): float32 values (``bits=None``) or
     ``bits``-bit values with one ``scale_dtype`` scale per chunk (``TopK``); both share ``scratch``
-    (at least ``scratch_numel(numel, chunk)`` float32 values) for a block of magnitudes."""
+    (at least ``scratch_numel(numel, chunk)`` float32 values) for a block of magnitudes.
+    ``schedule`` goes to the codec (None: ``schedule_for(device)``)."""
     if bits is None:
-        return FullTopK(numel, chunk, topk, device, scratch)
-    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch, scale_dtype=scale_dtype)
+        return FullTopK(numel, chunk, topk, device, scratch, schedule)
+    forced: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
+    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch, scale_dtype=scale_dtype, **forced)
 
 
 def message_bytes(

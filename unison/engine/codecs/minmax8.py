@@ -12,10 +12,15 @@ or NaN decodes to NaN, so overflow checks (AMP's grad scaler) still see it.
 with reusable buffers that the algorithms send (tests/unit/codec_reference.py
 holds the same arithmetic as plain allocating functions, for the tests).
 
-``MinMax8``'s ``encode_from`` / ``decode_into`` / ``sum_encode`` work block by
-block (``BLOCK`` values): every elementwise pass of a block runs in the core's
-L2 cache, so a codec costs about one trip through memory instead of one per
-operation (several times faster on CPU), and needs no buffer of the input's size.
+``MinMax8`` has two schedules of the same arithmetic (``schedule.py``). The
+blocked one (the CPU's) works block by block (``BLOCK`` values): every
+elementwise pass of a block runs in the core's L2 cache, so a codec costs about
+one trip through memory instead of one per operation (several times faster on
+CPU), and needs no buffer of the input's size. The whole one (every other
+device's) runs each method as a fixed number of ops on whole buffers (the real
+values as one strided view, the padding as one small piece), so a GPU launches
+as many kernels for 64M values as for 4M; it makes work buffers of the input's
+size while it runs. Both give the same bytes and values, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import copy
 from typing import Callable, Optional
 
 import torch
+
+from .schedule import WHOLE, schedule_for
 
 #: The largest 8-bit code: a chunk's max maps to it, its min to 0.
 LEVELS = 255
@@ -104,6 +111,8 @@ class MinMax8:
         device: where the buffers live.
         scratch: ``scratch(n)`` gives a float32 buffer of at least ``n`` values for the blocked
             loops' work, shared by codecs that run one at a time (default: its own).
+        schedule: ``"blocked"`` or ``"whole"`` (default: ``schedule_for(device)``: blocked on
+            the CPU, whole elsewhere). The same bytes either way.
 
     A packed row is one uint8 tensor: the chunks' float32 mins, their scales,
     then one code per value, padded to a multiple of 4 bytes (so the side data
@@ -126,11 +135,17 @@ class MinMax8:
         chunk_size: int = 1024,
         device: torch.device = CPU,
         scratch: Optional[Callable[[int], torch.Tensor]] = None,
+        schedule: Optional[str] = None,
     ) -> None:
         self.numel, self.rows = numel, rows
         self.chunks, self.size, self.row_bytes = layout(numel, rows, chunk_size)
         self.side = SIDE_BYTES * self.chunks
         self.device = torch.device(device)
+        self.forced = schedule
+        self.schedule = schedule_for(self.device, schedule)
+        # Where this codec's values lie in the flat buffer: row r, chunk c at (r * stride + (first + c) * size).
+        self._stride, self._first = self.chunks * self.size, 0
+        self._other_work: Optional[torch.Tensor] = None  # decode_add's blocked work on another device
         self._values: Optional[torch.Tensor] = None
         self._scratch = torch.empty(2, rows, self.chunks, dtype=torch.float32, device=device)
         block = block_chunks(self.chunks, self.size)
@@ -226,6 +241,9 @@ class MinMax8:
         ``pad`` (default ``pad_value(x, feedback)`` now) fills the padding.
         """
         mins, scales, codes = self.parts(packed)
+        if self.schedule == WHOLE:
+            self._encode_whole(x, mins, scales, codes, feedback, pad, minus)
+            return packed
         if minus is not None:
             self._encode_difference(x, minus, mins, scales, codes)
             return packed
@@ -256,7 +274,7 @@ class MinMax8:
         pad = (torch.sub(last, sub) if last.dtype == sub.dtype == torch.float32 else last.float().sub_(sub))[0]
         for row, c0, c, start, real in self._blocks:
             w = self._work[0, :c].view(-1)
-            a, b = x[start : start + real], minus[start : start + real].to(x.device, non_blocking=True)
+            a, b = x[start : start + real], to_device(minus[start : start + real], x.device)
             if a.dtype == b.dtype == torch.float32:
                 torch.sub(a, b, out=w[:real])
             else:
@@ -269,13 +287,115 @@ class MinMax8:
 
     def decode_add(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add the values ``packed`` (all rows) carries to the flat ``out`` (``numel`` values, any float
-        dtype, on any device), block by block: ``out += decode(packed)`` without a buffer of its size."""
+        dtype, on any device): ``out += decode(packed)``.
+
+        It decodes where ``out`` lives, in the schedule of that device: ``packed`` (one byte a
+        value) is copied there first, a blocking copy, so host memory is never read before a
+        device's copy into it has landed. The blocked schedule needs no buffer of ``out``'s size.
+        """
+        if packed.device != out.device:
+            packed = packed.to(out.device)
         mins, scales, codes = self.parts(packed)
+        if schedule_for(out.device, self.forced) == WHOLE:
+            values = self._decode_whole(mins, scales, codes)
+            for dst, src in zip(self._regions(out), self._regions_of_values(values)):
+                dst.add_(src)
+            return out
+        work = self._work if out.device == self._work.device else self._work_on(out.device)
         for row, c0, c, start, real in self._blocks:
-            w = self._work[0, :c]
+            w = work[0, :c]
             decode_(codes[row, c0 : c0 + c], mins[row, c0 : c0 + c], scales[row, c0 : c0 + c], w)
-            out[start : start + real].add_(w.view(-1)[:real].to(out.device, non_blocking=True))
+            out[start : start + real].add_(w.view(-1)[:real])
         return out
+
+    def _work_on(self, device: torch.device) -> torch.Tensor:
+        """A blocked work buffer like the codec's on ``device`` (made on first use, then kept)."""
+        if self._other_work is None or self._other_work.device != device:
+            self._other_work = torch.empty(self._work.shape, dtype=torch.float32, device=device)
+        return self._other_work
+
+    # ---- the whole schedule ------------------------------------------------
+    def _extent(self) -> tuple[int, int, int]:
+        """``(k, at, m)``: rows ``0..k-1`` of this codec hold only real values; row ``k`` (when
+        ``k < rows``) holds ``m`` real ones, from flat index ``at``; the rest is padding."""
+        n, width, first = self.numel, self.chunks * self.size, self._first * self.size
+        k = min(self.rows, (n - first - width) // self._stride + 1) if n >= first + width else 0
+        at = k * self._stride + first
+        return k, at, max(0, min(width, n - at)) if k < self.rows else 0
+
+    def _regions(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of this codec's real values in the flat ``flat``: its whole rows (``[k, chunks * size]``,
+        strided) and the real values of the next row (``[m]``)."""
+        k, at, m = self._extent()
+        width, first = self.chunks * self.size, self._first * self.size
+        return flat[first:].as_strided((k, width), (self._stride, 1)), flat[at : at + m]
+
+    def _regions_of_values(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same regions in a ``[rows, chunks, size]`` value buffer of this codec."""
+        k, _, m = self._extent()
+        width = self.chunks * self.size
+        return values.view(self.rows, width)[:k], values.view(-1)[k * width : k * width + m]
+
+    def _gather(self, regions: tuple[torch.Tensor, torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
+        """A new float32 value buffer (``[rows, chunks, size]``) of the real values ``regions`` views,
+        padded with ``pad`` (a 0-d tensor)."""
+        full, tail = regions
+        values = torch.empty(self.rows, self.chunks, self.size, dtype=torch.float32, device=full.device)
+        k, width = full.shape[0], self.chunks * self.size
+        flat = values.view(-1)
+        flat[k * width :].fill_(pad)
+        dst_full, dst_tail = self._regions_of_values(values)
+        dst_full.copy_(full)
+        dst_tail.copy_(tail)
+        return values
+
+    def _encode_whole(
+        self,
+        x: torch.Tensor,
+        mins: torch.Tensor,
+        scales: torch.Tensor,
+        codes: torch.Tensor,
+        feedback: Optional[torch.Tensor],
+        pad: Optional[torch.Tensor],
+        minus: Optional[torch.Tensor],
+    ) -> None:
+        """``encode_from`` in a fixed number of ops on whole buffers: the blocked loop's arithmetic."""
+        scratch = self._scratch[:, : self.rows]
+        if minus is not None:
+            n = self.numel
+            if n == 0:
+                return
+            minus = to_device(minus, x.device)  # one copy when offloaded, ordered on the stream
+            last, sub = x[n - 1 : n], minus[n - 1 : n]
+            pad = (torch.sub(last, sub) if last.dtype == sub.dtype == torch.float32 else last.float().sub_(sub))[0]
+            values = torch.empty(self.rows, self.chunks, self.size, dtype=torch.float32, device=x.device)
+            values.view(-1)[self._extent()[0] * self.chunks * self.size :].fill_(pad)
+            for dst, a, b in zip(self._regions_of_values(values), self._regions(x), self._regions(minus)):
+                if a.dtype == b.dtype == torch.float32:
+                    torch.sub(a, b, out=dst)
+                else:
+                    dst.copy_(a)
+                    dst.sub_(b)
+            encode_(values, mins, scales, codes, scratch)
+            return
+        if pad is None:
+            pad = self.pad_value(x, feedback)
+        if feedback is None:
+            encode_(self._gather(self._regions(x), pad), mins, scales, codes, scratch)
+            return
+        kept = self._regions(feedback)
+        for a, f in zip(self._regions(x), kept):
+            torch.add(a, f, out=f)
+        values = self._gather(kept, pad)
+        encode_(values, mins, scales, codes, scratch)
+        lost = decode_(codes, mins, scales, values)
+        for f, d in zip(kept, self._regions_of_values(lost)):
+            f.sub_(d)
+
+    def _decode_whole(self, mins: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """A new float32 value buffer (``[rows, chunks, size]``) of the values the packed rows carry."""
+        values = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        return decode_(codes, mins, scales, values)
 
     def pad_value(self, x: torch.Tensor, feedback: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What ``encode_from`` pads with: the last value it quantizes (a 0-d tensor, a copy)."""
@@ -306,6 +426,7 @@ class MinMax8:
             part.chunks, part.side, part._values = chunks, SIDE_BYTES * chunks, None
             part.row_bytes = -(-(SIDE_BYTES * chunks + chunks * self.size) // 4) * 4
             part._scratch = self._scratch[:, :, c0 : c0 + chunks]
+            part._first, part._other_work = self._first + c0, None
             part._blocks = [(r, bc0 - c0, c, start, real) for r, bc0, c, start, real in blocks]
             out.append(part)
         return out
@@ -313,6 +434,11 @@ class MinMax8:
     def decode_into(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decode ``packed`` (all rows) into the flat ``out`` (``numel`` values, any float dtype); returns ``out``."""
         mins, scales, codes = self.parts(packed)
+        if self.schedule == WHOLE:
+            values = self._decode_whole(mins, scales, codes)
+            for dst, src in zip(self._regions(out), self._regions_of_values(values)):
+                dst.copy_(src)
+            return out
         for row, c0, c, start, real in self._blocks:
             whole = real == c * self.size and out.dtype == torch.float32
             dst = out[start : start + real].view(c, self.size) if whole else self._work[0, :c]
@@ -325,6 +451,13 @@ class MinMax8:
         """Quantize the sum of the rows ``packed`` carries (each one row's layout) into the one-row ``out``."""
         mins, scales, codes = self.parts(packed)
         out_mins, out_scales, out_codes = self.parts(out)
+        if self.schedule == WHOLE:  # the rows added in order, as the blocked loop adds them
+            decoded = self._decode_whole(mins, scales, codes)
+            total = decoded[0]
+            for r in range(1, packed.shape[0]):
+                total.add_(decoded[r])
+            encode_(total, out_mins[0], out_scales[0], out_codes[0], self._scratch[:, 0])
+            return out
         acc, term = self._work[0], self._work[1]
         for _, c0, c, _, _ in self._blocks[: len(self._blocks) // self.rows]:
             part = slice(c0, c0 + c)
@@ -333,3 +466,9 @@ class MinMax8:
                 acc[:c].add_(decode_(codes[r, part], mins[r, part], scales[r, part], term[:c]))
             encode_(acc[:c], out_mins[0, part], out_scales[0, part], out_codes[0, part], self._scratch[:, 0, part])
         return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a non-blocking copy onto an accelerator (ordered on its stream before
+    the kernels that read it), a blocking one onto the CPU (the host reads it at once)."""
+    return t.to(device, non_blocking=torch.device(device).type != "cpu")

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .schedule import WHOLE, schedule_for
+
 #: Values per block of ``TopK.encode``'s loop: a block's magnitudes fit a core's L2 cache.
 BLOCK = 1 << 16
 BITS = (2, 4, 8)
@@ -95,6 +97,9 @@ class TopK:
         device: where the scratch lives (the tensors' device).
         scratch: a float32 buffer of at least ``scratch_numel(numel, chunk)`` values for the
             magnitudes of a block of chunks, shared by codecs run one at a time (default: its own).
+        schedule: ``"blocked"`` (a loop over cache-sized blocks of chunks) or ``"whole"`` (one
+            ``topk`` over all chunks, a temporary of the input's size: the same ops for any
+            size); default ``schedule_for(device)`` (``engine.codecs.schedule``).
 
     The values are quantized on ``2**bits`` levels symmetric about zero, ``(q - (L-1)/2) * scale``
     for ``q`` in ``0..L-1``, with ``scale = 2 max|v| / (L-1)``: the chunk's largest value is sent
@@ -120,6 +125,7 @@ class TopK:
         device: torch.device = CPU,
         scratch: Optional[torch.Tensor] = None,
         scale_dtype: torch.dtype = torch.float32,
+        schedule: Optional[str] = None,
     ) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
@@ -133,6 +139,7 @@ class TopK:
             raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16, got {scale_dtype!r}")
         self.scale_dtype = scale_dtype
         self.numel, self.bits, self.device = numel, bits, torch.device(device)
+        self.schedule = schedule_for(self.device, schedule)
         self.chunks, self.size = layout(numel, chunk)
         self.k = min(self.size, topk if topk is not None else max(1, round(density * self.size)))
         self.levels = 1 << bits
@@ -144,9 +151,13 @@ class TopK:
             self.chunks, self.k, self.size, bits, scale_dtype
         )
         self.block = max(1, min(self.chunks, BLOCK // self.size))
-        if scratch is None:
-            scratch = torch.empty(self.block * self.size, dtype=torch.float32, device=self.device)
-        self._magnitudes = scratch[: self.block * self.size].view(self.block, self.size)
+        # the chunks one pass of ``encode`` takes: a block of them, or all at once (whole)
+        self._rows = self.chunks if self.schedule == WHOLE else self.block
+        self._magnitudes: Optional[torch.Tensor] = None  # whole: a temporary per encode
+        if self.schedule != WHOLE:
+            if scratch is None:
+                scratch = torch.empty(self.block * self.size, dtype=torch.float32, device=self.device)
+            self._magnitudes = scratch[: self.block * self.size].view(self.block, self.size)
         self._codes_buffer = torch.zeros(self.codes_count, dtype=torch.uint8, device=self.device)
 
     @property
@@ -178,9 +189,12 @@ class TopK:
         grid = values.view(self.chunks, self.size)
         scales, indices, packed = self.parts(message)
         codes = self._codes_buffer[: self.chunks * self.k].view(self.chunks, self.k)
-        for c0 in range(0, self.chunks, self.block):
-            rows = grid[c0 : c0 + self.block]
-            magnitudes = torch.abs(rows, out=self._magnitudes[: rows.shape[0]])
+        for c0 in range(0, self.chunks, self._rows):
+            rows = grid[c0 : c0 + self._rows]
+            if self._magnitudes is None:
+                magnitudes = torch.abs(rows)
+            else:
+                magnitudes = torch.abs(rows, out=self._magnitudes[: rows.shape[0]])
             top, where = torch.topk(magnitudes, self.k, dim=1, sorted=False)
             chosen = torch.gather(rows, 1, where)
             scale = torch.amax(top, dim=1).mul_(2 / (self.levels - 1))
