@@ -23,6 +23,10 @@ contender's best round (the casts alone vary up to 20% from run to run here).
     python benchmarks/bench_codecs.py --baseline cd4f050 --json   # CPU, one thread
     python benchmarks/bench_codecs.py --device cuda --numel 124000000 --json benchmarks/results/codecs_cuda.json
 
+``--count-ops 4194304,67108864`` counts instead the ops one call of each case issues on the
+``meta`` device (where a GPU's schedule runs without a GPU), in each schedule: the whole
+schedule's count must not grow with the values.
+
 ``--frontier`` also sets demo's and sparseloco's codecs against a charlm training step
 (``--frontier-size``, default large: 10.7M parameters; one thread).
 """
@@ -292,6 +296,32 @@ def frontier(rows: list[dict], size: str, reps: int, world: int) -> dict:
     }
 
 
+def count_ops(args: argparse.Namespace) -> list[dict]:
+    """The ops one call of each case issues on ``meta``, per schedule and size (``--count-ops``)."""
+    sys.path.insert(0, ROOT)
+    from tests.unit.codecs.ops import ops
+
+    meta, sizes = torch.device("meta"), [int(n) for n in args.count_ops.split(",")]
+    counts: dict[str, dict[str, object]] = {}
+    for schedule in (args.schedules or "blocked,whole").split(","):
+        for numel in sizes:
+            flat = torch.empty(numel, device=meta)
+            with forced(schedule):
+                cases = build_cases(codecs_of(None), flat, gpt2_matrices(numel, meta), args)
+                for name, (fn, _) in cases.items():
+                    if args.only is None or args.only in name:
+                        try:
+                            counted: object = ops(fn)
+                        except (RuntimeError, NotImplementedError) as error:
+                            counted = f"n/a: {str(error).splitlines()[0][:60]}"
+                        counts.setdefault(name, {"codec": name})[f"{schedule} {numel}"] = counted
+    columns = [f"{s} {n}" for s in (args.schedules or "blocked,whole").split(",") for n in sizes]
+    print(f"{'codec':<26} " + " ".join(f"{c:>16}" for c in columns))
+    for row in counts.values():
+        print(f"{row['codec']:<26} " + " ".join(f"{str(row.get(c, '')):>16}" for c in columns))
+    return list(counts.values())
+
+
 def gpt2_matrices(numel: int, device: torch.device) -> list[torch.Tensor]:
     """About ``numel`` values in matrices of GPT-2's widths: 768 and 3072 columns, two of each."""
     rows = max(1, numel // (2 * (768 + 3072)))
@@ -315,6 +345,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     parser.add_argument("--rows", type=int, default=2, help="MinMax8 rows (ranks of the group)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="MinMax8 values per chunk")
+    parser.add_argument("--count-ops", default=None, metavar="N,N", help="count ops on meta at these sizes instead")
     parser.add_argument("--frontier", action="store_true", help="set demo and sparseloco against a charlm step")
     parser.add_argument("--frontier-size", default="large", help="charlm size the codecs are set against")
     parser.add_argument("--world", type=int, default=4, help="ranks whose messages each rank decodes (frontier)")
@@ -328,6 +359,19 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    if args.count_ops:
+        counted = count_ops(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "meta": {"command": " ".join(["python", "benchmarks/bench_codecs.py", *sys.argv[1:]])},
+                        "ops": counted,
+                    },
+                    f,
+                    indent=1,
+                )
+        return
     device = torch.device(args.device)
     torch.set_num_threads(1)
     torch.manual_seed(0)
