@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ...engine.codecs import MinMax8, work_numel
+from ...engine.codecs import WHOLE, MinMax8, schedule_for, work_numel
 from ...engine.comm import Waitable
 from ...engine.flat import Flat, Flats
 from ...engine.hierarchy import TwoLevel
@@ -74,8 +74,19 @@ class Copies:
 
     def mix_into(self, out: torch.Tensor, late: bool = False) -> torch.Tensor:
         """``out`` becomes the average of the public copy and the replicas (``late``: that average
-        less ``out``, the weights at launch), piece by piece; returns ``out``."""
+        less ``out``, the weights at launch); returns ``out``. Piece by piece on the CPU and when
+        offloaded (a piece at a time on the device); in whole buffers elsewhere (``schedule_for``)."""
         count = len(self.replicas) + 1
+        if self.public.device == out.device and schedule_for(out.device) == WHOLE:
+            # The copies beside ``out`` (not offloaded): whole buffers, a fixed number of kernels.
+            mix = torch.empty_like(out) if late else out
+            mix.copy_(self.public)
+            for copy in self.replicas:
+                mix.add_(copy)
+            mix.div_(count)
+            if late:
+                out.copy_(mix.sub_(out))
+            return out
         for part in pieces(out.numel(), out.element_size()):
             mix = torch.empty_like(out[part]) if late else out[part]
             mix.copy_(self.public[part])

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...engine.buckets import Bucket, split
+from ...engine.codecs import WHOLE, schedule_for
 from ...engine.comm import CommThread, Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
@@ -180,6 +181,9 @@ def _scale(opt: QAdamOptimizer, bucket: Bucket, inverse: bool) -> None:
     a cached copy held, without keeping two copies of the parameters.
     """
     settings = {id(p): group for group in opt.param_groups for p in group["params"]}
+    if schedule_for(bucket.flat.device) == WHOLE and _tiles(bucket):
+        _scale_whole(opt, bucket, inverse, settings)
+        return
     work = []  # (a piece of the bucket, the same piece of its variance, sqrt(correction), eps)
     for view, p in zip(bucket.views, bucket.params):
         variance = opt.state.get(p, {}).get("exp_avg_sq")
@@ -214,3 +218,46 @@ def _pieces(view: torch.Tensor, variance: torch.Tensor) -> list[tuple[torch.Tens
         return [(view, variance)]
     f, v = view.view(-1), variance.view(-1)
     return [(f[i : i + PIECE], v[i : i + PIECE]) for i in range(0, f.numel(), PIECE)]
+
+
+def _tiles(bucket: Bucket) -> bool:
+    """Whether the bucket's views lie end to end over its whole flat buffer."""
+    at = bucket.flat.storage_offset()
+    for view in bucket.views:
+        if view.storage_offset() != at or not view.is_contiguous():
+            return False
+        at += view.numel()
+    return at == bucket.flat.storage_offset() + bucket.flat.numel()
+
+
+def _scale_whole(opt: QAdamOptimizer, bucket: Bucket, inverse: bool, settings: dict[int, Any]) -> None:
+    """``_scale`` in a fixed number of kernels (not one per parameter and piece, on a GPU): the
+    variances copied into one buffer of the bucket's size (0 where missing, which scales by 0 as
+    ``_scale`` does), then the same ops on the whole of it."""
+    flat = bucket.flat
+    variance = torch.zeros_like(flat)
+    spans, targets, sources, corrections, eps = [], [], [], [], []
+    for view, p in zip(bucket.views, bucket.params):
+        at = view.storage_offset() - flat.storage_offset()
+        span = variance[at : at + view.numel()]
+        group = settings.get(id(p))
+        v = opt.state.get(p, {}).get("exp_avg_sq")
+        if v is not None and group is not None:
+            targets.append(span)
+            sources.append(v.reshape(-1))
+        spans.append(span)
+        group = group or {"betas": (0.0, 0.0), "eps": 0.0}
+        corrections.append(math.sqrt(1 - group["betas"][1] ** opt.warmup_steps))
+        eps.append(group["eps"])
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    mask = torch.gt(variance, 0).logical_not_() if inverse else torch.eq(variance, 0)
+    denom = variance.sqrt_()
+    if len(set(corrections)) == 1 and len(set(eps)) == 1:
+        denom.div_(corrections[0]).add_(eps[0])
+    else:  # parameter groups of different settings: one list op each
+        torch._foreach_div_(spans, corrections)
+        torch._foreach_add_(spans, eps)
+    if inverse:
+        denom.reciprocal_()
+    flat.mul_(denom.masked_fill_(mask, 0.0))

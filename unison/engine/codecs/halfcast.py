@@ -6,7 +6,10 @@ Value ``i`` of the narrow form lies at bytes ``[2i, 2i+2)``, of the wide form at
 output do not overlap, and ranges go in doubling order (narrowing) or in
 reverse (widening), each writing only over values already read. The first
 ``FIRST`` values go through a small temporary. ``log2(numel / FIRST)`` kernels
-in all; the values are those of ``flat.to(dtype)``, bit for bit.
+in all; the values are those of ``flat.to(dtype)``, bit for bit. That is the
+blocked schedule, the CPU's; the whole one (every other device's, see
+``schedule.py``) casts through a temporary of the narrow size in two kernels,
+whatever the size, with the same values.
 
 Example::
 
@@ -17,7 +20,11 @@ Example::
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .schedule import WHOLE, schedule_for
 
 __all__ = ["WIRE_DTYPES", "fits", "from_wire", "narrow_", "to_wire", "widen_", "wire_dtype"]
 
@@ -52,37 +59,43 @@ def _ranges(numel: int) -> list[tuple[int, int]]:
     return out
 
 
-def narrow_(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def narrow_(flat: torch.Tensor, dtype: torch.dtype, schedule: Optional[str] = None) -> torch.Tensor:
     """Cast ``flat`` to ``dtype`` into the first half of its own bytes; returns that narrow view.
 
     ``flat`` holds garbage afterwards until ``widen_`` puts the (reduced) values back.
+    ``schedule``: ``"blocked"`` or ``"whole"`` (default: ``schedule_for(flat.device)``).
     """
     n = flat.numel()
     out = flat.view(dtype)[:n]
     with torch.no_grad():
+        if schedule_for(flat.device, schedule) == WHOLE:
+            return out.copy_(flat.to(dtype))  # the narrow values apart first: they overlap the wide ones
         for a, b in _ranges(n):
             out[a:b].copy_(flat[a:b].to(dtype) if a == 0 else flat[a:b])
     return out
 
 
-def widen_(narrow: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """Cast the narrow view ``narrow_`` returned back into ``flat``, in place; returns ``flat``."""
+def widen_(narrow: torch.Tensor, flat: torch.Tensor, schedule: Optional[str] = None) -> torch.Tensor:
+    """Cast the narrow view ``narrow_`` returned back into ``flat``, in place; returns ``flat``.
+    ``schedule`` as ``narrow_``'s."""
     with torch.no_grad():
+        if schedule_for(flat.device, schedule) == WHOLE:
+            return flat.copy_(narrow.clone())
         for a, b in reversed(_ranges(flat.numel())):
             flat[a:b].copy_(narrow[a:b].to(flat.dtype) if a == 0 else narrow[a:b])
     return flat
 
 
-def to_wire(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_wire(flat: torch.Tensor, dtype: torch.dtype, schedule: Optional[str] = None) -> torch.Tensor:
     """``flat`` as ``dtype`` for the wire: itself if it is already, else cast in its own bytes
-    where it fits (``narrow_``), else a copy. ``from_wire`` puts the reduced values back."""
+    where it fits (``narrow_``, in ``schedule``), else a copy. ``from_wire`` puts the reduced values back."""
     if flat.dtype == dtype:
         return flat
-    return narrow_(flat, dtype) if fits(flat, dtype) else flat.to(dtype)
+    return narrow_(flat, dtype, schedule) if fits(flat, dtype) else flat.to(dtype)
 
 
-def from_wire(wire: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """The reduced ``wire`` (``to_wire``'s) back into ``flat``; returns ``flat``."""
+def from_wire(wire: torch.Tensor, flat: torch.Tensor, schedule: Optional[str] = None) -> torch.Tensor:
+    """The reduced ``wire`` (``to_wire``'s) back into ``flat`` (``widen_`` in ``schedule``); returns ``flat``."""
     if wire is flat:
         return flat
-    return widen_(wire, flat) if wire.data_ptr() == flat.data_ptr() else flat.copy_(wire)
+    return widen_(wire, flat, schedule) if wire.data_ptr() == flat.data_ptr() else flat.copy_(wire)

@@ -270,8 +270,7 @@ class MinMax8:
         n = self.numel
         if n == 0:
             return codes
-        last, sub = x[n - 1 : n], minus[n - 1 : n].to(x.device)
-        pad = (torch.sub(last, sub) if last.dtype == sub.dtype == torch.float32 else last.float().sub_(sub))[0]
+        pad = difference(x[n - 1 : n], minus[n - 1 : n].to(x.device))[0]
         for row, c0, c, start, real in self._blocks:
             w = self._work[0, :c].view(-1)
             a, b = x[start : start + real], to_device(minus[start : start + real], x.device)
@@ -366,8 +365,7 @@ class MinMax8:
             if n == 0:
                 return
             minus = to_device(minus, x.device)  # one copy when offloaded, ordered on the stream
-            last, sub = x[n - 1 : n], minus[n - 1 : n]
-            pad = (torch.sub(last, sub) if last.dtype == sub.dtype == torch.float32 else last.float().sub_(sub))[0]
+            pad = difference(x[n - 1 : n], minus[n - 1 : n])[0]
             values = torch.empty(self.rows, self.chunks, self.size, dtype=torch.float32, device=x.device)
             values.view(-1)[self._extent()[0] * self.chunks * self.size :].fill_(pad)
             for dst, a, b in zip(self._regions_of_values(values), self._regions(x), self._regions(minus)):
@@ -472,3 +470,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``: a non-blocking copy onto an accelerator (ordered on its stream before
     the kernels that read it), a blocking one onto the CPU (the host reads it at once)."""
     return t.to(device, non_blocking=torch.device(device).type != "cpu")
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` as float32, made as ``load`` makes it (in ``b``'s precision when wider), in a new tensor."""
+    if a.dtype == b.dtype == torch.float32:
+        return torch.sub(a, b)
+    return a.to(torch.float32, copy=True).sub_(b)  # a copy: a float32 ``a`` itself is the caller's
