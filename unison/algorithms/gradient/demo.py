@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ...engine import offload
 from ...engine.buckets import Bucket
 from ...engine.codecs.dct import Codec, codec, dct_matrix, message_bytes, transform_, transform_tiles_
+from ...engine.codecs.schedule import WHOLE, schedule_for
 from ...engine.codecs.tiled_topk import BLOCK as TILED_BLOCK
 from ...engine.codecs.tiled_topk import TiledTopK
 from ...engine.codecs.tiles import Tiles
@@ -551,6 +552,15 @@ class Demo(Algorithm[DemoState]):
         if isinstance(code, TiledTopK):
             code.mean_into(messages, out, senders=self.mean == "senders")
             return
+        add_all = getattr(code, "add_all", None)  # FullTopK's: the messages read once, a scatter-add each
+        if add_all is not None:
+            if counts is None:
+                add_all(messages, out, 1.0 / messages.shape[0])
+                return
+            counts = counts[: out.numel()].zero_()
+            add_all(messages, out, counts=counts)
+            out.div_(counts.clamp_(min=1))
+            return
         if counts is None:
             for message in messages:
                 code.decode_add(message, out, 1.0 / messages.shape[0])
@@ -592,15 +602,16 @@ class Demo(Algorithm[DemoState]):
             d, dt = self._matrices(state, values.device)
             transform_(values.view(-1, self.chunk), d if inverse else dt, scratch)
             return
-        for run, piece in zip(entry.tiles.runs, entry.tiles.pieces):
-            block = values[run.offset : run.offset + run.numel]
-            if piece.grid is None:
-                d, dt = self._dct(state, run.size, values.device)
-                transform_(block.view(run.chunks, run.size), d if inverse else dt, scratch)
+        merge = schedule_for(values.device) == WHOLE  # a transform a run of tensors, not a tensor
+        for offset, numel, size, tile in spans(entry.tiles, merge):
+            block = values[offset : offset + numel]
+            if tile is None:
+                d, dt = self._dct(state, size, values.device)
+                transform_(block.view(-1, size), d if inverse else dt, scratch)
                 continue
-            _, h, _, w = piece.grid
+            h, w = tile
             (dh, dht), (dw, dwt) = self._dct(state, h, values.device), self._dct(state, w, values.device)
-            transform_tiles_(block.view(run.chunks, h, w), dht if inverse else dh, dw if inverse else dwt, scratch)
+            transform_tiles_(block.view(-1, h, w), dht if inverse else dh, dw if inverse else dwt, scratch)
 
     def direction(
         self, state: DemoState, bucket: Bucket, entry: Entry, code: Union[Codec, TiledTopK], everyone: torch.Tensor
@@ -616,6 +627,20 @@ class Demo(Algorithm[DemoState]):
             if self.sign:
                 target.sign_()
             torch._foreach_copy_(entry.pair(list(bucket.views)), entry.target_views(state.target))
+
+
+def spans(tiles: Tiles, merge: bool) -> list[tuple[int, int, int, Optional[tuple[int, int]]]]:
+    """``(offset, numel, size, tile)`` of each run of ``tiles``: ``tile`` the ``(h, w)`` of a matrix's
+    tiles (``size = h w``), None for a vector's chunks of ``size``. With ``merge`` the runs of one
+    kind lying one after the other are one span (the whole schedule: a transform each, not a tensor each)."""
+    out: list[tuple[int, int, int, Optional[tuple[int, int]]]] = []
+    for run, piece in zip(tiles.runs, tiles.pieces):
+        tile = None if piece.grid is None else (piece.grid[1], piece.grid[3])
+        if merge and out and out[-1][2:] == (run.size, tile) and out[-1][0] + out[-1][1] == run.offset:
+            out[-1] = (out[-1][0], out[-1][1] + run.numel, run.size, tile)
+        else:
+            out.append((run.offset, run.numel, run.size, tile))
+    return out
 
 
 def shard_bounds(numel: int, chunk: int, parts: int) -> list[int]:

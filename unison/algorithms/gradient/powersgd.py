@@ -37,9 +37,11 @@ def is_compressible(shape: torch.Size, rank: int, min_rate: float) -> bool:
 
 
 def initial_q(name: str, cols: int, rank: int, salt: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A random cols x rank start, the same on every rank: seeded from the parameter's name and ``salt``."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{salt}".encode()))
-    return torch.randn(cols, rank, generator=g, dtype=dtype).to(device)
+    """A random cols x rank start, the same on every rank: seeded from the parameter's name and
+    ``salt``, drawn by a generator on ``device`` (no copy from the host: without warm start this
+    runs every step; the CPU's numbers are those of a CPU generator, a GPU's those of its own)."""
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{name}:{salt}".encode()))
+    return torch.randn(cols, rank, generator=g, dtype=dtype, device=device)
 
 
 class BucketPlan(NamedTuple):

@@ -12,7 +12,7 @@ See docs/algorithms.md#demo.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -52,11 +52,7 @@ def transform_(
 
 
 def transform_tiles_(
-    tiles: torch.Tensor,
-    left: torch.Tensor,
-    right: torch.Tensor,
-    scratch: torch.Tensor,
-    schedule: Optional[str] = None,
+    tiles: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scratch: torch.Tensor, schedule: Optional[str] = None
 ) -> torch.Tensor:
     """``tiles[t] = left @ tiles[t] @ right`` in place for each tile of ``tiles`` (``[T, h, w]``,
     contiguous; ``left`` ``[h, h]``, ``right`` ``[w, w]``); returns ``tiles``. With ``left = D_h``
@@ -172,6 +168,27 @@ class FullTopK:
         counts.view(self.chunks, self.size).scatter_add_(1, indices.long(), (sent != 0).float())
         return counts
 
+    def add_all(
+        self, messages: torch.Tensor, target: torch.Tensor, alpha: float = 1.0, counts: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``decode_add(m, target, alpha)`` (and with ``counts``, ``count_add(m, counts)``) for each
+        message of ``messages`` (``[W, nbytes]``), in their order: the same values and bits, with the
+        messages' parts read once for all of them and then one scatter-add a message (two with
+        ``counts``), so the ops grow with ``W`` alone. Returns ``target``."""
+        rows = messages.shape[0]
+        v, i = self._values, self._indices
+        sent = messages[:, v[0] : v[1]].view(torch.float32).view(rows, self.chunks, self.k)
+        indices = messages[:, i[0] : i[1]].view(self.index_dtype).view(rows, self.chunks, self.k).long()
+        values = sent * alpha if alpha != 1.0 else sent
+        grid = target.view(self.chunks, self.size)
+        for where, value in zip(indices.unbind(0), values.unbind(0)):
+            grid.scatter_add_(1, where, value)
+        if counts is not None:
+            tally = counts.view(self.chunks, self.size)
+            for where, nonzero in zip(indices.unbind(0), (sent != 0).float().unbind(0)):
+                tally.scatter_add_(1, where, nonzero)
+        return target
+
 
 Codec = Union[TopK, FullTopK]
 
@@ -192,8 +209,9 @@ def codec(
     ``schedule`` goes to the codec (None: ``schedule_for(device)``)."""
     if bits is None:
         return FullTopK(numel, chunk, topk, device, scratch, schedule)
-    forced: dict[str, Any] = {} if schedule is None else {"schedule": schedule}
-    return TopK(numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch, scale_dtype=scale_dtype, **forced)
+    return TopK(
+        numel, chunk, topk=topk, bits=bits, device=device, scratch=scratch, scale_dtype=scale_dtype, schedule=schedule
+    )
 
 
 def message_bytes(
