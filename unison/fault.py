@@ -327,7 +327,9 @@ class FaultTolerance:
         The node's processes share every forward (FSDP2 gathers the shards inside the node): one
         that regrouped alone would wait for a sibling that waits in the next forward's gather.
         So a failure is recovered from where they all are at once, the end of the step (or of
-        ``average()``), by all of them. Elsewhere nothing is pending: False at once.
+        ``average()``), by all of them. Elsewhere nothing is pending: False at once. The answer
+        is read on the host (over NCCL, one wait for the device per step): each process must know
+        before its next forward whether the node regroups now.
         """
         node = self._node_group()
         if node is None or self._recovering:

@@ -61,7 +61,9 @@ class DataParallel(nn.Module):
         bucket_cap_mb: size of a gradient bucket in MiB (default 25; the first is at most 1 MiB).
         negotiate_grads: agree each step on which parameters have a gradient on
             some rank, so dynamic graphs need no flag and never hang. With False,
-            a parameter with no gradient anywhere gets a zero gradient.
+            a parameter with no gradient anywhere gets a zero gradient. Only a
+            rank whose backward left a parameter without a gradient reads the
+            agreement on the host (a wait for the device on a GPU).
         find_unused_parameters: torch DDP's flag; negotiation already lets
             parameters go without a gradient (one used on no rank keeps
             ``grad=None``, as torch's), so it needs ``negotiate_grads=True``.
@@ -77,7 +79,10 @@ class DataParallel(nn.Module):
             rank). ``model.skipped_steps`` counts skipped steps. With
             ``torch.amp.GradScaler`` leave it None: the scaler skips a step
             whose gradients overflowed on any rank itself, and its ``step``
-            refuses an optimizer whose gradients "skip" dropped.
+            refuses an optimizer whose gradients "skip" dropped. The checks
+            run on the device, but the agreed answer is read on the host once
+            per synchronized step (on a GPU, one wait for the device per step):
+            raising or skipping is decided before ``optimizer.step()`` runs.
         debug: check before every forward that all ranks are about to run the
             same step (forward count, synchronization, bucket plan, algorithm,
             world size) and raise naming the ranks that differ, instead of
@@ -87,7 +92,10 @@ class DataParallel(nn.Module):
             joins or leaves (the job must run under ``unison launch
             --fault-tolerant``; needs ``optimizer``). ``model.ft`` then gives
             the committed ``step``, the ``members`` and the ``events``; see
-            docs/fault-tolerance.md. Without it, ``model.ft`` is None.
+            docs/fault-tolerance.md. Without it, ``model.ft`` is None. Over a
+            model sharded by FSDP2, the node's processes agree at each step's
+            end whether to recover now, and read the answer on the host (over
+            NCCL, one wait for the device per step).
         ft_offload: with ``fault_tolerant=True``, keep the one copy fault
             tolerance adds (each member's local gradients of the round in
             flight, to redo it after a failure) in host memory, pinned under
@@ -515,7 +523,10 @@ class DataParallel(nn.Module):
         rank is done; then all ranks take the parameters and buffers of the rank
         that trained longest. Works for every algorithm; torch's ``Join``
         arguments mean the same here. While it is active, each forward and
-        optimizer step costs one extra tiny allreduce.
+        optimizer step costs one extra tiny allreduce, whose result every rank
+        reads on the host (over NCCL, a wait for the device each time): a rank
+        that ran out learns what to shadow, the others check that they run the
+        same step and take the divisor.
 
         Example::
 

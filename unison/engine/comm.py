@@ -92,6 +92,17 @@ def chunks(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.T
     return out
 
 
+def from_host(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` without a host sync: a GPU gets it by an
+    asynchronous copy from pinned memory (``torch.tensor(..., device=gpu)`` waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 

@@ -15,6 +15,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import wire_device
+
 MODES = (None, "raise", "skip")
 
 logger = logging.getLogger("unison")
@@ -44,12 +46,16 @@ def drop_gradients(params: Iterable[torch.Tensor]) -> None:
         p.grad = None
 
 
-def first_nonfinite(params: Iterable[torch.Tensor]) -> Optional[int]:
-    """The index of the first parameter whose gradient holds nan or inf, or None."""
-    for i, p in enumerate(params):
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            return i
-    return None
+def first_bad(tensors: Sequence[torch.Tensor], indices: Sequence[int], n: int) -> torch.Tensor:
+    """The lowest of ``indices`` whose tensor holds nan or inf (``n`` if none), as a 0-dim int64
+    tensor on the tensors' device: found without a host sync."""
+    marks = [torch.where(torch.isfinite(t).all(), n, i) for i, t in zip(indices, tensors)]
+    return torch.stack(marks).min()
+
+
+def code_of(first: torch.Tensor, rank: int, world: int, n: int) -> torch.Tensor:
+    """``encode`` on the device, from ``first_bad``'s answer (``n``: none)."""
+    return torch.where(first < n, (world - rank) * (n + 1) + n - first, 0)
 
 
 def agree_at_step(
@@ -67,12 +73,18 @@ def agree_at_step(
     inputs under ``join()``) has no gradient of its own to report.
     """
     n = len(trainable)
-    bad = None if shadow else first_nonfinite(p for _, p in trainable)
-    code = torch.tensor([encode(bad, rank, world_size, n)], dtype=torch.int64)
+    grads = [(i, p.grad) for i, (_, p) in enumerate(trainable) if p.grad is not None and not shadow]
+    wire = wire_device(group)
+    if grads:
+        first = first_bad([g for _, g in grads], [i for i, _ in grads], n)
+        code = code_of(first, rank, world_size, n).reshape(1).to(wire)
+    else:
+        code = torch.zeros(1, dtype=torch.int64, device=wire)
     dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
-    if not code.item():
+    agreed = int(code.item())  # the step's skip or raise is decided on the host: one read per step
+    if not agreed:
         return False
-    where, index = decode(int(code.item()), world_size, n)
+    where, index = decode(agreed, world_size, n)
     if mode == "raise":
         raise error(where, trainable[index][0])
     drop_gradients(p for _, p in trainable)

@@ -8,7 +8,9 @@ sequence of collectives. At the end of backward (an autograd callback queued on
 the outermost backward), the buckets that never completed are launched in
 order, a one-byte-per-parameter "has a gradient" vector is agreed on with a MAX
 allreduce, and everything is waited for: a parameter used on any rank gets the
-average, one used on none keeps ``grad=None``.
+average, one used on none keeps ``grad=None``. Only a rank that left a parameter
+without a gradient reads that vector on the host (a sync on a GPU); the vector is
+sent every pass all the same, so such a rank never waits alone.
 
 After the first synchronized backward the buckets are re-planned once from the
 order in which gradients really arrived (rank 0's order, broadcast).
@@ -211,7 +213,8 @@ class GradReducer:
         self._replan_pending = True
         self._flag_group = comm.private_group(group, f"{tag}/flags")
         self._rank = dist.get_rank(group) if group is not None else 0
-        self._bad: Optional[int] = None
+        self._bad: Optional[int] = None  # this pass: the first non-finite sparse gradient
+        self._screened: list[torch.Tensor] = []  # this pass: each screened bucket's first bad index, on the device
         self._unfinished = False
         self._has: Optional[list[bool]] = None
         self._flags: Optional[tuple[torch.Tensor, Any]] = None  # the has-a-gradient flags and their work
@@ -401,6 +404,7 @@ class GradReducer:
         custom = self.comm_hook is not None or self.reduce_function is not None
         self._scale = 1.0 if custom else self.dispatcher.grad_scale(self.scale_world or self.world)
         self._bad = None
+        self._screened = []
         self._fired = [False] * len(self.params)
         self._pending = list(self._sizes)
         self._next = 0
@@ -515,12 +519,13 @@ class GradReducer:
 
     def _screen(self, bucket: bucketing.Bucket) -> None:
         """With ``nonfinite`` set: note this rank's first non-finite gradient and zero
-        its bucket, so a NaN never leaves the rank (nor enters error-feedback state)."""
-        if self.nonfinite is None or bool(torch.isfinite(bucket.flat).all()):
+        its bucket, so a NaN never leaves the rank (nor enters error-feedback state).
+        Both stay on the device (no host sync); the end of backward agrees on them."""
+        if self.nonfinite is None:
             return
-        bad = [i for i, view in zip(bucket.indices, bucket.views) if not bool(torch.isfinite(view).all())]
-        self._bad = min(bad + ([] if self._bad is None else [self._bad]))
-        bucket.flat.zero_()
+        first = nonfinite.first_bad(bucket.views, bucket.indices, len(self.params))
+        self._screened.append(first)
+        bucket.flat.masked_fill_(first < len(self.params), 0)
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
@@ -624,32 +629,48 @@ class GradReducer:
 
     def _flag_tensor(self, has: list[bool]) -> torch.Tensor:
         """What the MAX allreduce at the end of backward agrees on: which parameters
-        have a gradient somewhere and, with ``nonfinite``, the first bad (rank, parameter)."""
+        have a gradient somewhere and, with ``nonfinite``, the first bad (rank, parameter).
+        Made without a host sync (``comm.from_host``; the code is computed on the device)."""
         if self.nonfinite is None:
-            return torch.tensor(has, dtype=torch.uint8, device=self.device)
+            return comm.from_host(has, torch.uint8, self.device)
         n = len(self.params)
-        code = nonfinite.encode(self._bad, self._rank, self.world, n)
-        return torch.tensor((has if self.negotiate else [True] * n) + [code], dtype=torch.int64, device=self.device)
+        flags = comm.from_host((has if self.negotiate else [True] * n) + [0], torch.int64, self.device)
+        first = torch.full((), n if self._bad is None else self._bad, dtype=torch.int64, device=self.device)
+        for screened in self._screened:
+            first = torch.minimum(first, screened.to(first.device))
+        flags[n:].copy_(nonfinite.code_of(first, self._rank, self.world, n).reshape(1))
+        self._screened = []
+        return flags
 
     def _settle_flags(self) -> Optional[tuple[int, str]]:
         """Give the average to parameters that had no local gradient but one elsewhere;
-        return the first (rank, parameter) with a non-finite gradient, if any."""
-        n, bad = len(self.params), None
+        return the first (rank, parameter) with a non-finite gradient, if any.
+
+        The agreed flags are read on the host (a sync on a GPU) only when this rank needs
+        them: a parameter without a local gradient, the first pass of ``static_graph``, or
+        the non-finite code (the step's skip or raise is decided on the host). A rank whose
+        parameters all got a gradient reads nothing: each of them is used somewhere.
+        """
+        n, bad, has = len(self.params), None, self._has or [False] * len(self.params)
+        used_anywhere: Optional[list[bool]] = None
         if self._flags is not None:
             flags, work = self._flags
             if work is not None:
                 comm.wait(work)
-            used_anywhere = flags.tolist()
-            if self.nonfinite is not None:
-                code = used_anywhere.pop()
-                if code:
-                    rank, index = nonfinite.decode(code, self.world, n)
-                    bad = (rank, self.names[index])
+            first = self.static_graph and self._static_used is None
+            if self.negotiate and (first or not all(has)):
+                agreed = flags.tolist()
+                used_anywhere = [bool(v) for v in agreed[:n]]
+                code = agreed[n] if self.nonfinite is not None else 0
+            else:
+                code = int(flags[n].item()) if self.nonfinite is not None else 0
+            if code:
+                rank, index = nonfinite.decode(code, self.world, n)
+                bad = (rank, self.names[index])
         if self.negotiate and self.static_graph:
-            used_anywhere = self._static(used_anywhere if self._flags is not None else None)
-        elif self._flags is None or not self.negotiate:  # not negotiated: every parameter takes part
+            used_anywhere = self._static(used_anywhere)
+        elif used_anywhere is None:  # not negotiated, or not needed: every parameter takes part
             used_anywhere = [True] * n
-        has = self._has or [False] * n
         self._used = [local or anywhere for local, anywhere in zip(has, used_anywhere)]
         for i, local in enumerate(has):
             if self._is_sparse[i]:

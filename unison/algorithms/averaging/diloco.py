@@ -28,7 +28,7 @@ from ...engine.codecs import WIRE_DTYPES
 from ...engine.comm import Finished, Waitable, chunks, ring_bytes, start
 from ...engine.comm import wait as comm_wait
 from ...engine.flat import split
-from ...engine.offload import keep, pieces
+from ...engine.offload import empty_like, keep, pieces
 from ...replica import Replica
 from .. import options
 from ..contract import Recovery
@@ -123,7 +123,8 @@ class DiLoCo(Streamed[DiLoCoState]):
         overlap: the classic schedule with ``delay=1`` (one fragment unless given).
         offload: keep the global weights, the outer momentum and the weights at launch in host
             memory (pinned with CUDA), moved to the parameters' device piece by piece at a sync;
-            the outer step runs on the host. Nothing changes on CPU.
+            the outer step runs on the host, so each outer sync waits once for the device (the
+            average comes to the host); the steps between syncs do not. Nothing changes on CPU.
 
     Memory: the global weights and the outer momentum (+2 P, none of it on the device with
     ``offload``), and while a fragment's sync travels its wire buffer and (``delay`` > 0, no
@@ -203,7 +204,7 @@ class DiLoCo(Streamed[DiLoCoState]):
         params, buffers = self._tensors(state, f)
         with torch.no_grad():
             kept = state.late and self.mixing is None
-            at_launch = [keep(t, self.offload) for t in params + buffers] if kept else None
+            at_launch = [_kept(t, self.offload) for t in params + buffers] if kept else None
             pending: Waitable
             if state.group is not None and not self.int8 and state.levels is None:  # made in the wire buffers
                 pending = WrittenAverage(
@@ -258,6 +259,9 @@ class DiLoCo(Streamed[DiLoCoState]):
         f, averaged, at_launch = fragment, result, extra
         params, buffers = self._tensors(state, f)
         snapshot = [state.snapshot[i] for i in state.fragments[f]]
+        if self.offload and params and params[0].device.type == "cuda":
+            # The outer step writes the host copies: the moves of the last sync must have landed.
+            torch.cuda.current_stream(params[0].device).synchronize()
         for s, g in zip(snapshot, averaged):
             s.grad = g.to(s.device)  # offloaded: the outer step runs on the host
         state.outer.step()  # steps only the pieces with a gradient: this fragment's
@@ -279,13 +283,28 @@ def _pieces_on(
     t: torch.Tensor, new: torch.Tensor, old: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(t, new, old)`` whole when all three live on ``t``'s device; else (offloaded copies) flat
-    pieces of at most ``engine.offload.PIECE_BYTES``, ``new`` and ``old`` moved to ``t``'s device."""
+    pieces of at most ``engine.offload.PIECE_BYTES``, ``new`` and ``old`` moved to ``t``'s device.
+
+    The moves do not wait for the device: the host copies are next written on the host only by
+    the next outer step, after ``merge`` has waited for the stream (the average comes to the host)."""
     if new.device == t.device and old.device == t.device or not t.is_contiguous():
-        yield t, new.to(t.device), old.to(t.device)
+        yield t, new.to(t.device, non_blocking=True), old.to(t.device, non_blocking=True)
         return
     flat_t, flat_new, flat_old = t.view(-1), new.reshape(-1), old.reshape(-1)
     for part in pieces(flat_t.numel(), flat_t.element_size()):
-        yield flat_t[part], flat_new[part].to(t.device), flat_old[part].to(t.device)
+        yield (
+            flat_t[part],
+            flat_new[part].to(t.device, non_blocking=True),
+            flat_old[part].to(t.device, non_blocking=True),
+        )
+
+
+def _kept(t: torch.Tensor, offload: bool) -> torch.Tensor:
+    """``keep(t, offload)`` without waiting for the device: the weights at launch are only ever
+    copied back onto the device (in stream order), never read on the host."""
+    if not offload or t.device.type != "cuda":
+        return keep(t, offload)
+    return empty_like(t.detach(), offload).copy_(t.detach(), non_blocking=True)
 
 
 class WrittenAverage:
