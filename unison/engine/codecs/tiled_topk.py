@@ -20,6 +20,15 @@ Layout of one message (uint8, a multiple of 4 bytes): the tables (``[runs, L]``)
 then the codes bit-packed ``8 // bits`` to a byte, low bits first (or the float32 values); each
 section 4-byte aligned.
 
+Two schedules (``engine.codecs.schedule``): ``"blocked"`` loops over the runs and cache-sized
+blocks of their chunks (the CPU's); ``"whole"`` issues a fixed number of ops whatever the
+values' count (GPUs, ``meta``): one ``topk`` per group of runs of one chunk size and ``k``
+(``Plan``), the quantizers' per-run and per-chunk statistics as segment sums over all entries at
+once (``index_add`` by a run id per entry), the bit packing as arithmetic on whole buffers, and
+``mean_into`` one ``index_add_`` per message. The same values as the blocked schedule, bit for bit,
+but for the bins' mean and deviation: sums in another order, so the bins' edges may move by a few
+ulps (tests/unit/codecs/test_topk_schedules.py states the tolerance).
+
 ``mean_into`` decodes many messages into a dense target: the plain mean over the ranks, or, as the
 references do, each coordinate's mean over the ranks that sent it (a sum and a count, added in
 rank order: the same bits on every rank). A zero sent is not counted: a chunk of zeros sends
@@ -34,6 +43,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
+from .schedule import WHOLE, schedule_for
 from .tiles import Run
 from .topk import pack, unpack
 
@@ -95,6 +105,8 @@ class TiledTopK:
         scale_dtype: the dtype of the tables or scales on the wire (float32 or bfloat16; what
             is sent is what every rank decodes with, the feedback included).
         device: the buffers' device.
+        schedule: ``"blocked"`` or ``"whole"`` (``engine.codecs.schedule``); default
+            ``schedule_for(device)``: blocked on the CPU, whole elsewhere.
 
     Example::
 
@@ -111,11 +123,13 @@ class TiledTopK:
         quantizer: Quantizer = "bins",
         scale_dtype: torch.dtype = torch.float32,
         device: torch.device = CPU,
+        schedule: Optional[str] = None,
     ) -> None:
         if not runs:
             raise ValueError("a codec needs at least one run of chunks")
         self.runs, self.bits, self.quantizer = list(runs), bits, quantizer
         self.scale_dtype, self.device = scale_dtype, torch.device(device)
+        self.schedule = schedule_for(self.device, schedule)
         self.levels = 1 << bits
         self.half = (self.levels - 1) / 2
         self.numel = max(r.offset + r.numel for r in self.runs)
@@ -126,7 +140,7 @@ class TiledTopK:
         ks = {r.k for r in self.runs}
         self.k: Optional[int] = ks.pop() if len(ks) == 1 else None  # the entries per chunk, where all send alike
         self.width = index_width(max(r.size for r in self.runs))
-        slots = self.count + (self.count % 2 if self.width == 12 else 0)  # 12 bits go in pairs
+        self.slots = slots = self.count + (self.count % 2 if self.width == 12 else 0)  # 12 bits go in pairs
         self.raw = bits == 32  # float32 values: no codes, no heads
         per = 1 if self.raw else 8 // bits
         self.codes_count = -(-self.count // per) * per
@@ -143,12 +157,15 @@ class TiledTopK:
             slice(code_start, code_end),
         )
         self.nbytes = _aligned(code_end)
-        # work buffers, allocated once: the chosen entries, their positions and codes
-        self._chosen = torch.zeros(self.count, dtype=torch.float32, device=self.device)
-        self._where = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        self._codes_buffer = torch.zeros(0 if self.raw else self.codes_count, dtype=torch.uint8, device=self.device)
+        # the blocked schedule's work buffers, allocated once: the chosen entries, their positions and codes
+        blocked = self.schedule != WHOLE
+        self._chosen = torch.zeros(self.count if blocked else 0, dtype=torch.float32, device=self.device)
+        self._where = torch.zeros(slots if blocked else 0, dtype=torch.int32, device=self.device)
+        codes = 0 if self.raw or not blocked else self.codes_count
+        self._codes_buffer = torch.zeros(codes, dtype=torch.uint8, device=self.device)
         self.block_numel = max(BLOCK, max(r.size for r in self.runs))
         self._scratch: Optional[torch.Tensor] = None
+        self._plan = Plan(self) if self.schedule == WHOLE else None
 
     def empty(self, rows: Optional[int] = None) -> torch.Tensor:
         """A new message (``rows``: that many, ``[rows, nbytes]``)."""
@@ -174,6 +191,8 @@ class TiledTopK:
         """The top-k of each chunk of ``values`` (flat float32, ``numel`` long) into ``message``;
         returns ``message``. With ``feedback`` what is sent (as decoded) is subtracted from
         ``values``, which keep the rest: afterwards ``values + decode(message)`` is what ``values`` was."""
+        if self._plan is not None:
+            return self._plan.encode(values, message, feedback)
         heads = self.heads(message)
         for i, run in enumerate(self.runs):
             grid = values[run.offset : run.offset + run.numel].view(run.chunks, run.size)
@@ -234,7 +253,10 @@ class TiledTopK:
     def decode(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(where, values)``: each sent entry's position in its chunk (int64) and decoded value
         (float32), flat in the runs' order (``run.first`` on)."""
-        slots = torch.empty(self._where.numel(), dtype=torch.int64, device=message.device)
+        if self._plan is not None:
+            where, values = self._plan.decode(message[None])
+            return where[0], values[0]
+        slots = torch.empty(self.slots, dtype=torch.int64, device=message.device)
         where = unpack_indices(message[self._indices], self.width, slots)[: self.count]
         if self.raw:
             return where, message[self._codes].view(torch.float32)
@@ -259,6 +281,8 @@ class TiledTopK:
         float32, ``numel`` long): with ``senders`` each coordinate's mean over the messages that
         sent it (the references' ``scatter_reduce(reduce="mean", include_self=False)``), else the
         plain mean over all of them. Added in message order: the same bits on every rank."""
+        if self._plan is not None:
+            return self._plan.mean_into(messages, target, alpha, senders)
         decoded = [self.decode(m) for m in messages]
         ranks = len(decoded)
         for run in self.runs:
@@ -280,4 +304,194 @@ class TiledTopK:
                     total.scatter_add_(1, w, v)
                     count.scatter_add_(1, w, (v != 0).float())  # a chunk of zeros sends zeros wherever its ties fell
                 rows.add_(total.div_(count.clamp_(min=1)), alpha=alpha)
+        return target
+
+
+class Plan:
+    """The whole schedule of a ``TiledTopK``: its index tensors, built once on the codec's device,
+    and its encode, decode and mean, each a fixed number of ops on whole buffers.
+
+    The runs are grouped by ``(size, k)``: one ``topk`` takes every chunk of a group (a view of
+    the buffer where the group's runs lie end to end, else its rows gathered by their starts).
+    The chosen entries are then in the message's order (run by run, chunk by chunk) and every
+    statistic is a segment op over all of them: ``run`` (the run of each entry), ``chunk``
+    (its chunk among all), ``start`` (its chunk's offset in the buffer).
+    """
+
+    def __init__(self, codec: TiledTopK) -> None:
+        self.codec = codec
+        runs, device, levels = codec.runs, codec.device, codec.levels
+        self.groups: list[tuple[int, int, int, int, Optional[torch.Tensor]]] = []  # size, k, offset, chunks, starts
+        keys: list[tuple[int, int]] = []
+        for r in runs:
+            if (r.size, r.k) not in keys:
+                keys.append((r.size, r.k))
+        order: list[torch.Tensor] = []  # each group's entries, by their place in the message
+        for size, k in keys:
+            members = [r for r in runs if (r.size, r.k) == (size, k)]
+            adjacent = all(b.offset == a.offset + a.numel for a, b in zip(members, members[1:]))
+            chunks = sum(r.chunks for r in members)
+            starts = None if adjacent else torch.cat([r.offset + size * torch.arange(r.chunks) for r in members])
+            self.groups.append((size, k, members[0].offset, chunks, starts if starts is None else starts.to(device)))
+            order.extend(torch.arange(r.first, r.first + r.count) for r in members)
+        placed = torch.cat(order)  # the message's entry at each place of the groups' concatenation
+        self.perm: Optional[torch.Tensor] = None
+        if not torch.equal(placed, torch.arange(codec.count)):
+            self.perm = torch.empty_like(placed).scatter_(0, placed, torch.arange(codec.count)).to(device)
+        entries = [torch.arange(r.count) // r.k for r in runs]  # each entry's chunk in its run
+        self.start = torch.cat([r.offset + r.size * e for r, e in zip(runs, entries)]).to(device)
+        bins = not codec.raw and codec.quantizer == "bins"
+        levels = levels if bins else 0  # no tables: no bins
+        counts = torch.tensor([r.count for r in runs])
+        run = torch.repeat_interleave(torch.arange(len(runs)), counts) if bins else torch.zeros(0, dtype=torch.int64)
+        self.run = run.to(device)
+        self.run_bins = (run * levels).to(device)  # the first of the entry's run's bins in the tables
+        self.bin_run = torch.arange(len(runs)).repeat_interleave(levels).to(device)
+        self.n = counts.float().to(device)
+        self.root = torch.tensor([(c - 1) ** 0.5 if c > 1 else 1.0 for c in counts.tolist()]).to(device)
+        self.ones = torch.ones(1, device=device).expand(codec.count)
+        self.zero_runs = torch.zeros(len(runs), device=device)
+        self.zero_bins = torch.zeros(len(runs) * levels, device=device)
+        scales = not codec.raw and codec.quantizer == "max"
+        chunk = torch.cat([f + e for f, e in zip(codec._first_chunk, entries)]) if scales else entries[0][:0]
+        self.chunk = chunk.to(device)
+        self.zero_chunks = torch.zeros(codec.chunks if scales else 0, device=device)
+        per = 1 if codec.raw else 8 // codec.bits
+        self.weights = torch.tensor([float(1 << (codec.bits * j)) for j in range(per)], device=device)
+        self.shifts = torch.tensor([codec.bits * j for j in range(per)], dtype=torch.uint8, device=device)
+        self.code_pad = torch.zeros(codec.codes_count - codec.count, device=device)
+        self.index_pad = torch.zeros(codec.slots - codec.count, dtype=torch.int64, device=device)
+        self.pairs = torch.tensor([1, 1 << 12], device=device)  # two 12-bit indices in 24 bits
+        self.triples = torch.tensor([1, 1 << 8, 1 << 16], device=device)
+        self.bytes = torch.tensor([0, 8, 16], device=device)
+        self.halves = torch.tensor([0, 12], device=device)
+
+    def encode(self, values: torch.Tensor, message: torch.Tensor, feedback: bool) -> torch.Tensor:
+        """``TiledTopK.encode`` on whole buffers."""
+        codec = self.codec
+        magnitudes = torch.abs(values if values.numel() == codec.numel else values[: codec.numel])
+        found = []
+        for size, k, offset, chunks, starts in self.groups:
+            if starts is None:  # the group's runs lie end to end
+                rows = magnitudes.as_strided((chunks, size), (size, 1), offset)
+            else:  # every window of ``size`` values, of which the rows at ``starts``
+                rows = magnitudes.as_strided((codec.numel - size + 1, size), (1, 1)).index_select(0, starts)
+            found.append(torch.topk(rows, k, dim=1, sorted=False)[1].view(-1))
+        where = torch.cat(found) if len(found) > 1 else found[0]
+        if self.perm is not None:
+            where = where.index_select(0, self.perm)
+        at = where + self.start  # each entry's place in the buffer
+        chosen = values.take(at)
+        if codec.raw:
+            if feedback:
+                values.index_fill_(0, at, 0.0)
+            message[codec._codes].view(torch.float32).copy_(chosen)
+        else:
+            heads = message[codec._heads].view(codec.scale_dtype)
+            if codec.quantizer == "bins":
+                q, table, bins = self.bins(chosen)
+                heads.copy_(table)
+                sent = table.to(codec.scale_dtype).float().take(bins)
+            else:
+                q, scale = self.max(chosen)
+                heads.copy_(scale)
+                sent = (q - codec.half).mul_(scale.index_select(0, self.chunk))
+            if feedback:
+                values.index_add_(0, at, sent, alpha=-1)
+            self.pack(q, message[codec._codes])
+        self.pack_indices(where, message[codec._indices])
+        return message
+
+    def bins(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``TiledTopK._bins`` of every run at once: the codes (float), the tables (flat
+        ``[runs * L]``) and each entry's place in them."""
+        levels = self.codec.levels
+        shift = self.zero_runs.index_add(0, self.run, chosen).div_(self.n)
+        centred = chosen - shift.index_select(0, self.run)
+        square = self.zero_runs.index_add(0, self.run, centred * centred)
+        width = square.sqrt_().div_(self.root).mul_(SIGMAS / levels).nan_to_num_(1.0, 1.0, 1.0)
+        width.masked_fill_(width <= 0, 1.0)
+        q = centred.div(width.index_select(0, self.run)).add_(levels // 2).round_().clamp_(0, levels - 1)
+        bins = q.long().add_(self.run_bins)
+        sums = self.zero_bins.index_add(0, bins, centred)
+        counts = self.zero_bins.index_add(0, bins, self.ones)
+        return q, sums.div_(counts.clamp_(min=1)).add_(shift.index_select(0, self.bin_run)), bins
+
+    def max(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes (float) and the chunks' scales (float32, as the ranks decode them) of ``quantizer="max"``."""
+        codec = self.codec
+        scale = self.zero_chunks.scatter_reduce(0, self.chunk, chosen.abs(), "amax", include_self=False)
+        scale.mul_(2 / (codec.levels - 1))
+        if codec.scale_dtype != torch.float32:
+            scale = scale.to(codec.scale_dtype).float()  # quantize with the scale the ranks decode with
+        inverse = torch.reciprocal(scale).nan_to_num_(0.0, 0.0, 0.0)  # scale 0 (or not finite): factor 0
+        q = chosen.mul(inverse.index_select(0, self.chunk)).add_(codec.half).round_().clamp_(0, codec.levels - 1)
+        return q, scale
+
+    def pack(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """``pack`` of the codes ``q`` (float) into ``out`` as sums of ``code << bits * j``."""
+        q = torch.cat([q, self.code_pad])  # even when empty: the same ops for every count
+        if self.weights.numel() == 1:
+            out.copy_(q)
+        else:
+            out.copy_(q.view(-1, self.weights.numel()).mul_(self.weights).sum(1))
+
+    def pack_indices(self, where: torch.Tensor, out: torch.Tensor) -> None:
+        """``pack_indices`` of ``where`` (int64): 12 bits as pairs summed into 24 bits, then their bytes."""
+        width = self.codec.width
+        if width == 8:
+            out.copy_(where)
+        elif width == 12:
+            where = torch.cat([where, self.index_pad])
+            pairs = where.view(-1, 2).mul(self.pairs).sum(1, keepdim=True)
+            out.view(-1, 3).copy_(pairs.bitwise_right_shift(self.bytes).bitwise_and_(0xFF))
+        else:
+            out.view(torch.int16 if width == 16 else torch.int32).copy_(where)
+
+    def unpack_indices(self, packed: torch.Tensor) -> torch.Tensor:
+        """The indices of ``packed`` (``[messages, bytes]``): int64 ``[messages, count]``."""
+        codec, width = self.codec, self.codec.width
+        if width == 8:
+            where = packed.long()
+        elif width == 12:
+            triples = packed.view(packed.shape[0], -1, 3).long().mul_(self.triples).sum(2, keepdim=True)
+            where = triples.bitwise_right_shift(self.halves).bitwise_and_(0xFFF).view(packed.shape[0], -1)
+        else:
+            where = packed.view(torch.int16 if width == 16 else torch.int32).long()
+        return where[:, : codec.count]
+
+    def decode(self, messages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``TiledTopK.decode`` of each of ``messages`` (``[messages, nbytes]``): ``[messages, count]`` each."""
+        codec = self.codec
+        where = self.unpack_indices(messages[:, codec._indices])
+        packed = messages[:, codec._codes]
+        if codec.raw:
+            return where, packed.view(torch.float32)
+        if self.shifts.numel() > 1:
+            packed = packed.unsqueeze(2).bitwise_right_shift(self.shifts).bitwise_and_(codec.levels - 1)
+            packed = packed.view(messages.shape[0], -1)
+        codes = packed[:, : codec.count]
+        heads = messages[:, codec._heads].view(codec.scale_dtype).float()
+        if codec.quantizer == "bins":
+            return where, heads.gather(1, codes.long().add_(self.run_bins))
+        return where, codes.float().sub_(codec.half).mul_(heads.index_select(1, self.chunk))
+
+    def mean_into(self, messages: torch.Tensor, target: torch.Tensor, alpha: float, senders: bool) -> torch.Tensor:
+        """``TiledTopK.mean_into``: every message decoded at once, then one ``index_add_`` per message
+        and sum (each message's places differ, so every device adds in message order)."""
+        where, values = self.decode(messages)
+        at = where.add_(self.start)
+        ranks = messages.shape[0]
+        if not senders:
+            for place, value in zip(at.unbind(0), values.mul(alpha / ranks).unbind(0)):
+                target.index_add_(0, place, value)
+            return target
+        numel = self.codec.numel
+        total = torch.zeros(numel, dtype=torch.float32, device=target.device)
+        count = torch.zeros(numel, dtype=torch.float32, device=target.device)
+        for place, value, sent in zip(at.unbind(0), values.unbind(0), values.ne(0).float().unbind(0)):
+            total.index_add_(0, place, value)
+            count.index_add_(0, place, sent)  # a chunk of zeros sends zeros wherever its ties fell
+        mine = target if target.numel() == numel else target[:numel]
+        mine.add_(total.div_(count.clamp_(min=1)), alpha=alpha)
         return target
