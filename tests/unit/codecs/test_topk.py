@@ -229,3 +229,26 @@ def test_alone_each_sync_is_the_reference_outer_step():
             assert not torch.equal(now, inner[-1])
     assert len(gaps) == 6 and max(gaps) < 1e-6, gaps
     model.close()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [1.0, 0.25])
+def test_add_all_is_decode_add_and_count_add_of_each_message_in_order(bits, scale_dtype, alpha):
+    """demo's mean reads every message at once (``add_all``): the bits of a decode_add (and a
+    count_add) of each message in turn, a chunk of zeros counting for nothing."""
+    g = torch.Generator().manual_seed(bits)
+    codec = TopK(5000, chunk=256, density=1 / 16, bits=bits, scale_dtype=scale_dtype)
+    messages = codec.empty(3)
+    for m in messages:
+        x = torch.zeros(codec.padded)
+        x[:5000] = torch.randn(5000, generator=g)
+        x[:256] = 0  # a chunk of zeros
+        codec.encode(x, m)
+    target, counts = torch.randn(codec.padded, generator=g), torch.zeros(codec.padded)
+    want, want_counts = target.clone(), counts.clone()
+    for m in messages:
+        codec.decode_add(m, want, alpha)
+        codec.count_add(m, want_counts)
+    codec.add_all(messages, target, alpha, counts=counts)
+    assert torch.equal(target, want) and torch.equal(counts, want_counts)

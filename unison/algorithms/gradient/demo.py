@@ -552,23 +552,11 @@ class Demo(Algorithm[DemoState]):
         if isinstance(code, TiledTopK):
             code.mean_into(messages, out, senders=self.mean == "senders")
             return
-        add_all = getattr(code, "add_all", None)  # FullTopK's: the messages read once, a scatter-add each
-        if add_all is not None:
-            if counts is None:
-                add_all(messages, out, 1.0 / messages.shape[0])
-                return
-            counts = counts[: out.numel()].zero_()
-            add_all(messages, out, counts=counts)
-            out.div_(counts.clamp_(min=1))
-            return
-        if counts is None:
-            for message in messages:
-                code.decode_add(message, out, 1.0 / messages.shape[0])
+        if counts is None:  # the messages read once, a scatter-add each
+            code.add_all(messages, out, 1.0 / messages.shape[0])
             return
         counts = counts[: out.numel()].zero_()
-        for message in messages:
-            code.decode_add(message, out)
-            code.count_add(message, counts)
+        code.add_all(messages, out, counts=counts)
         out.div_(counts.clamp_(min=1))
 
     def _scratch(self, state: DemoState, device: torch.device) -> torch.Tensor:

@@ -233,6 +233,30 @@ class TopK:
         counts.view(self.chunks, self.size).scatter_add_(1, indices.long(), sent.float())
         return counts
 
+    def add_all(
+        self, messages: torch.Tensor, target: torch.Tensor, alpha: float = 1.0, counts: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``decode_add(m, target, alpha)`` (and with ``counts``, ``count_add(m, counts)``) for each
+        message of ``messages`` (``[W, nbytes]``), in their order: the same values and bits, with
+        every message unpacked and dequantized at once and then one scatter-add a message (two
+        with ``counts``), so the ops grow with ``W`` alone, not with the values. Returns ``target``."""
+        rows, count = messages.shape[0], self.chunks * self.k
+        scales = messages[:, self._scales].view(self.scale_dtype).float()
+        indices = messages[:, self._indices].view(self.index_dtype).view(rows, self.chunks, self.k).long()
+        codes = unpack(messages[:, self._codes].reshape(-1), self.bits).view(rows, -1)[:, :count]
+        values = codes.view(rows, self.chunks, self.k).float().sub_(self.half).mul_(scales[..., None])
+        sent = (values != 0).float() if counts is not None else None
+        if alpha != 1.0:
+            values.mul_(alpha)
+        grid = target.view(self.chunks, self.size)
+        for where, value in zip(indices.unbind(0), values.unbind(0)):
+            grid.scatter_add_(1, where, value)
+        if counts is not None and sent is not None:
+            tally = counts.view(self.chunks, self.size)
+            for where, nonzero in zip(indices.unbind(0), sent.unbind(0)):
+                tally.scatter_add_(1, where, nonzero)
+        return target
+
     def decode(self, message: torch.Tensor) -> torch.Tensor:
         """The dense values ``message`` carries: new float32, ``numel`` long."""
         out = torch.zeros(self.padded, dtype=torch.float32, device=message.device)
