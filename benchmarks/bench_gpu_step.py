@@ -209,11 +209,7 @@ def main() -> int:
         if "error" in e:
             print(f"{spec:34} failed: {e['error']}")
             continue
-        note = (
-            ""
-            if spec in ("local", "ddp") or e["bytes_per_step"]
-            else "sends nothing at a world of one: may skip its codec"
-        )
+        note = SKIPS.get(spec.partition(":")[0], "")
         print(f"{spec:34} {e['ms']:8.2f} {e['vs_local']:8.3f} {e['vs_ddp']:6.3f} {e['bytes_per_step']:12.0f}  {note}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

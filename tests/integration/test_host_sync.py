@@ -16,6 +16,7 @@ option's docs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -182,14 +183,7 @@ def _train(spec: str, keywords: dict, join: bool) -> dict[str, int]:
         opt.step()
 
     try:
-        if join:
-            with model.join():
-                for i in range(warmup):
-                    step(i)
-                with counter:
-                    for i in range(STEPS):
-                        step(warmup + i)
-        else:
+        with model.join() if join else contextlib.nullcontext():
             for i in range(warmup):
                 step(i)
             with counter:
