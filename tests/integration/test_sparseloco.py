@@ -1,5 +1,5 @@
 """SparseLoCo on 2 and 4 gloo ranks: every sync against the update written by hand (both forms, one harness)
-(tests/unit/topk_reference.py), equal replicas after a sync, the bytes counted, exact resume by
+(tests/unit/codecs/topk_reference.py), equal replicas after a sync, the bytes counted, exact resume by
 unison.save/load (between syncs and with a sync in flight), switch_to in and out."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "decentralized": {"period": PERIOD},
     "low_precision_decentralized": {"period": PERIOD},
     "diloco": {"period": PERIOD, "fragments": 1, "delay": 0},
-    "sparseloco": {"period": 8},  # no sync within STEPS: alone, its outer step is checked in test_topk_codec.py
+    "sparseloco": {"period": 8},  # no sync within STEPS: alone, its outer step is checked in codecs/test_topk.py
     "async": {"sync_interval_ms": 1.0},
     "powersgd": {"start_iter": 0},
     "bytegrad": {"error_feedback": True},

@@ -1,6 +1,6 @@
 """SparseLoCo's layout and codec as its references run them (``unison.engine.codecs.tiles``,
 ``unison.engine.codecs.tiled_topk``): each tensor's tiles, the top-k per tile, the binned 2-bit values,
-12-bit indices, the mean over senders; each against a plain reference (tests/unit/topk_reference.py)."""
+12-bit indices, the mean over senders; each against a plain reference (tests/unit/codecs/topk_reference.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ input. A constant chunk has scale 0 and decodes exactly. A chunk holding inf
 or NaN decodes to NaN, so overflow checks (AMP's grad scaler) still see it.
 
 ``encode_`` / ``decode_`` are the arithmetic; ``MinMax8`` is the packed layout
-with reusable buffers that the algorithms send (tests/unit/codec_reference.py
+with reusable buffers that the algorithms send (tests/unit/codecs/codec_reference.py
 holds the same arithmetic as plain allocating functions, for the tests).
 
 ``MinMax8`` has two schedules of the same arithmetic (``schedule.py``). The
