@@ -105,7 +105,9 @@ def test_the_upward_import_is_data():
 # sequence numbers, which order a forward's ops for nonblocking's check, DeviceMesh's root mesh,
 # which says whether FSDP2's mesh and device_mesh are dimensions of one mesh, an optimizer's step
 # hooks, held off while torch.distributed.checkpoint's state-dict helpers step it to make its state,
-# c10d's group registry, out of which a node's group is taken around a regroup and put back, ...).
+# c10d's group registry, out of which a node's group is taken around a regroup and put back, a
+# view's base, which says whether same-shaped matrices are evenly spaced views of one buffer (one
+# batched product for them all in PowerSGD's whole schedule), ...).
 TORCH_PRIVATE = {
     "_C",
     "_autograd",
@@ -125,6 +127,7 @@ TORCH_PRIVATE = {
     "_distributed_c10d",
     "_register_process_group",
     "_unregister_process_group",
+    "_base",
 }
 
 
