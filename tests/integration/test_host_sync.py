@@ -24,6 +24,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 import launch
+import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP, batch
@@ -198,10 +199,12 @@ def every_case() -> dict[str, dict[str, int]]:
     return {case: _train(*CASES[case]) for case in CASES}
 
 
-def test_no_host_sync_in_a_training_step():
+@pytest.mark.parametrize("schedule", ["blocked", "whole"])
+def test_no_host_sync_in_a_training_step(schedule):
     """Zero watched calls from unison on the training thread in ``STEPS`` steady-state steps,
-    for every algorithm and option in ``CASES``, but for the exempted sites."""
-    results = launch.run(every_case, 2, timeout=180)
+    for every algorithm and option in ``CASES``, but for the exempted sites; with the codecs in
+    the CPU's schedule and in the GPU's (``whole``, what a GPU runs), forced on the CPU."""
+    results = launch.run(every_case, 2, timeout=180, env={"UNISON_CODEC_SCHEDULE": schedule})
     failures = []
     for case in CASES:
         merged: Counter[str] = Counter()
