@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -68,3 +76,44 @@ def split_contenders(text: str) -> list[str]:
         else:
             out.append(item)
     return out
+
+
+def run_capped(cmd: list[str], timeout: float, **popen: Any) -> tuple[Optional[int], str, str, bool]:
+    """Run ``cmd`` (a launcher) for at most ``timeout`` seconds: then SIGTERM (a launcher stops its
+    workers), then SIGKILL, to that process only. Returns its exit code, stdout, stderr (text,
+    where ``popen`` pipes them) and whether it had to be stopped."""
+    proc = subprocess.Popen(cmd, text=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out or "", err or "", False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return proc.returncode, out or "", err or "", True
+
+
+def write_report(script: str, argv: Optional[list[str]], began: float, found: dict, path: Optional[str]) -> None:
+    """A stress run's report: its command, the unison the jobs imported and its commit, the date and
+    seconds, and ``found`` (its counts and runs); printed counts, written to ``path`` as JSON."""
+    unison_file = subprocess.run(
+        [sys.executable, "-c", "import unison; print(unison.__file__)"], capture_output=True, text=True
+    ).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(Path(unison_file).parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    report = {
+        "command": " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])]),
+        "unison": unison_file,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - began, 1),
+        **found,
+    }
+    print(json.dumps(found["counts"]))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")

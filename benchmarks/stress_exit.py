@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import run_capped, write_report
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
@@ -43,28 +42,19 @@ def run_job(script: str, timeout: float) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        hung = False
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hung = True
-            proc.send_signal(signal.SIGTERM)  # torchrun stops its workers
-            try:
-                out, _ = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
+        code, out, _, hung = run_capped(
+            cmd, timeout, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+        )
         seconds = time.monotonic() - started
     problems = []
     if hung:
         problems.append(f"hung: torchrun had not ended after {timeout:.0f} s")
-    elif proc.returncode != 0:
-        problems.append(f"torchrun exited with {proc.returncode}")
+    elif code != 0:
+        problems.append(f"torchrun exited with {code}")
     if "terminate called" in out:
         problems.append("a process aborted: 'terminate called' in the output")
     tail = out.strip().splitlines()[-15:] if problems else []
-    return {"script": script, "exit": proc.returncode, "seconds": round(seconds, 2), "problems": problems, "tail": tail}
+    return {"script": script, "exit": code, "seconds": round(seconds, 2), "problems": problems, "tail": tail}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,25 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for s in scripts
     }
-    unison_file = subprocess.run(
-        [sys.executable, "-c", "import unison; print(unison.__file__)"], capture_output=True, text=True
-    ).stdout.strip()
-    commit = subprocess.run(
-        ["git", "-C", str(Path(unison_file).parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    report = {
-        "command": " ".join(["python", "benchmarks/stress_exit.py", *(argv if argv is not None else sys.argv[1:])]),
-        "unison": unison_file,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - began, 1),
-        "counts": counts,
-        "jobs": jobs,
-    }
-    print(json.dumps(counts))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    write_report("stress_exit.py", argv, began, {"counts": counts, "jobs": jobs}, args.json)
     return 0 if all(c["failed"] == 0 for c in counts.values()) else 1
 
 

@@ -26,16 +26,16 @@ The launcher is stopped with SIGTERM past its time (it stops its workers), then 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import run_capped, write_report
 
 HERE = Path(__file__).resolve().parent
 LEDGER = HERE.parent / "tests" / "scripts" / "ft_ledger.py"
@@ -64,18 +64,7 @@ def run_once(case: str, timeout: float) -> dict[str, Any]:
         cmd += [*spec["launcher"], str(LEDGER), "--out", str(out), *spec["ledger"]]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        hung = False
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hung = True
-            proc.send_signal(signal.SIGTERM)  # the launcher stops its workers
-            try:
-                _, err = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
+        code, _, err, hung = run_capped(cmd, timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         seconds = time.monotonic() - started
         found = {}
         for path in out.glob("[0-9]*.json"):
@@ -84,8 +73,8 @@ def run_once(case: str, timeout: float) -> dict[str, Any]:
     problems = []
     if hung:
         problems.append(f"hung: the launcher had not ended after {timeout:.0f} s")
-    elif proc.returncode != 0:
-        problems.append(f"the launcher exited with {proc.returncode}")
+    elif code != 0:
+        problems.append(f"the launcher exited with {code}")
     if "terminate called" in err:
         problems.append("a process aborted: 'terminate called' in the output")
     if not {0, 2} <= set(found):
@@ -99,7 +88,7 @@ def run_once(case: str, timeout: float) -> dict[str, Any]:
     raced = "finished before membership" in err
     return {
         "case": case,
-        "exit": proc.returncode,
+        "exit": code,
         "seconds": round(seconds, 2),
         "raced": raced,
         "problems": problems,
@@ -133,27 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  | {line}", flush=True)
         raced = sum(r["raced"] for r in runs if r["case"] == case)
         counts[case] = {"runs": args.runs, "passed": passed, "raced": raced}
-    unison_file = subprocess.run(
-        [sys.executable, "-c", "import unison; print(unison.__file__)"], capture_output=True, text=True
-    ).stdout.strip()
-    commit = subprocess.run(
-        ["git", "-C", str(Path(unison_file).parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    report = {
-        "command": " ".join(
-            ["python", "benchmarks/stress_fault_end.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "unison": unison_file,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - began, 1),
-        "counts": counts,
-        "runs": runs,
-    }
-    print(json.dumps(counts))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    write_report("stress_fault_end.py", argv, began, {"counts": counts, "runs": runs}, args.json)
     return 0 if all(c["passed"] == c["runs"] for c in counts.values()) else 1
 
 
