@@ -185,12 +185,10 @@ class MinMax8:
     def load(self, x: torch.Tensor, minus: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copy ``x`` (or ``x - minus``) into the value buffer, padded; returns it (``[rows, chunks, size]``)."""
         n, flat = self.numel, self.flat
-        if minus is not None and x.dtype == minus.dtype == torch.float32:
-            torch.sub(x, minus, out=flat[:n])
-        else:
+        if minus is None:
             flat[:n].copy_(x)
-            if minus is not None:
-                flat[:n].sub_(minus)  # in minus's precision, rounded to float32
+        else:
+            subtract_into(flat[:n], x, minus)
         flat[n:].fill_(flat[n - 1])
         return self.values
 
@@ -274,11 +272,7 @@ class MinMax8:
         for row, c0, c, start, real in self._blocks:
             w = self._work[0, :c].view(-1)
             a, b = x[start : start + real], to_device(minus[start : start + real], x.device)
-            if a.dtype == b.dtype == torch.float32:
-                torch.sub(a, b, out=w[:real])
-            else:
-                w[:real].copy_(a)
-                w[:real].sub_(b)
+            subtract_into(w[:real], a, b)
             w[real:].fill_(pad)
             out = (mins[row, c0 : c0 + c], scales[row, c0 : c0 + c], codes[row, c0 : c0 + c])
             encode_(w.view(c, self.size), *out, self._scratch[:, row, c0 : c0 + c])
@@ -369,11 +363,7 @@ class MinMax8:
             values = torch.empty(self.rows, self.chunks, self.size, dtype=torch.float32, device=x.device)
             values.view(-1)[self._extent()[0] * self.chunks * self.size :].fill_(pad)
             for dst, a, b in zip(self._regions_of_values(values), self._regions(x), self._regions(minus)):
-                if a.dtype == b.dtype == torch.float32:
-                    torch.sub(a, b, out=dst)
-                else:
-                    dst.copy_(a)
-                    dst.sub_(b)
+                subtract_into(dst, a, b)
             encode_(values, mins, scales, codes, scratch)
             return
         if pad is None:
@@ -472,8 +462,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
-def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a - b`` as float32, made as ``load`` makes it (in ``b``'s precision when wider), in a new tensor."""
+def subtract_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a - b`` (``out`` float32), as every path of ``MinMax8`` makes a difference: in float32,
+    or ``a`` widened to float32 and ``b`` subtracted in ``b``'s precision when wider; returns ``out``."""
     if a.dtype == b.dtype == torch.float32:
-        return torch.sub(a, b)
-    return a.to(torch.float32, copy=True).sub_(b)  # a copy: a float32 ``a`` itself is the caller's
+        return torch.sub(a, b, out=out)
+    return out.copy_(a).sub_(b)
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` as ``subtract_into`` makes it, in a new float32 tensor (never ``a`` itself)."""
+    return subtract_into(torch.empty(a.shape, dtype=torch.float32, device=a.device), a, b)
