@@ -37,7 +37,7 @@ from .engine.reducer import GradReducer
 from .fault import FaultTolerance, joining_member
 from .hooks import eager
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
-from .runtime import health, private_group, replica_group
+from .runtime import ending, health, private_group, replica_group
 
 __all__ = ["ALGORITHM_KEY", "DataParallel"]
 
@@ -276,6 +276,8 @@ class DataParallel(nn.Module):
                 self._construct_collectives(named)
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
+        if self.process_group is not None:
+            ending.hold(self._let_go_of_groups)  # the job's end lets go of its groups (runtime/ending.py)
         # Fault tolerance: a joiner takes the members' state (at the job's start, rank 0's), and a
         # member lost while the algorithm builds its groups is recovered from.
         self._core.fault.start(self._start_algorithm)
@@ -411,6 +413,14 @@ class DataParallel(nn.Module):
             self._core.stop()
         finally:
             self._finalizer()  # no hook is left behind, even when the algorithm's teardown raised
+
+    def _let_go_of_groups(self) -> None:
+        """The job ends (``unison.shutdown()``, or the interpreter's exit without it): released as
+        when collected (no collective, no thread, no hook left) and its groups dropped, so that
+        their threads are joined before the interpreter finalizes (runtime/ending.py)."""
+        self._finalizer()
+        self.process_group = self._step_group = self._buffer_sync = None
+        self._core.replica.group = None
 
     @property
     def algorithm(self) -> algos.Algorithm[Any]:

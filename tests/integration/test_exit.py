@@ -2,6 +2,9 @@
 
 import os
 
+import pytest
+
+import unison
 from tests import launch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "exit_after_backward.py")
@@ -12,3 +15,23 @@ def test_ranks_exit_cleanly_right_after_backward(tmp_path):
         proc = launch.torchrun(SCRIPT, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr
+
+
+THREADS = os.path.join(os.path.dirname(SCRIPT), "exit_threads.py")
+
+
+@pytest.mark.parametrize("end", ["shutdown", "atexit"])
+def test_no_gloo_worker_is_left_when_the_interpreter_finalizes(tmp_path, end):
+    """The abort's root (runtime/ending.py): a gloo worker thread alive when the interpreter
+    finalizes can free a tensor there and abort the process. After ``unison.shutdown()``, and at
+    exit when the script never called it, every group's workers must have been joined, with
+    every algorithm having trained (each builds its own groups) and the script still holding its
+    models, optimizers and last losses."""
+    proc = launch.torchrun(THREADS, end, ",".join(unison.algorithms.names()), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    for rank in range(2):
+        lines = dict(line.split(":", 1) for line in (tmp_path / f"threads-{rank}.txt").read_text().splitlines())
+        assert set(lines) == ({"after shutdown", "at exit"} if end == "shutdown" else {"at exit"})
+        for where, threads in lines.items():
+            assert "pt_gloo_runloop" not in threads, f"rank {rank}, {where}: gloo workers still alive: {threads}"

@@ -47,6 +47,7 @@ from . import comm, nonfinite
 from . import sparse as sparse_grads
 from .comm import src_rank, start
 from .offload import keep
+from .weak import weak
 
 
 class Questions(Protocol):
@@ -350,7 +351,7 @@ class GradReducer:
         the outermost backward (reentrant checkpointing runs inner ones)."""
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(self._on_output_grad)
+                t.register_hook(weak(self._on_output_grad))  # the graph the user keeps holds no engine
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         self._start_pass()

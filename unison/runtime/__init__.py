@@ -3,9 +3,7 @@ rank-failure detection. It imports nothing else of unison."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from . import health
+from . import ending, health
 from .groups import forget_private_groups, private_group, src_rank
 from .health import RankFailure
 from .launch import (
@@ -26,12 +24,11 @@ from .launch import (
 
 
 def shutdown() -> None:
-    """Destroy the process group started by ``init()`` and forget the topology and unison's groups."""
-    forget_topology()
-    forget_private_groups()
-    health.stop()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """End the job: every wrapper closed (no collective), the process group started by ``init()``
+    destroyed, the topology and unison's groups forgotten, and every group's threads joined
+    (``ending``: without them nothing of torch's can run when the interpreter finalizes).
+    Called at exit when the script did not."""
+    ending.end()
 
 
 __all__ = [
@@ -42,7 +39,10 @@ __all__ = [
     "client_env",
     "collective_timeout",
     "detect_launch",
+    "ending",
     "first_host",
+    "forget_private_groups",
+    "forget_topology",
     "health",
     "init",
     "node_mesh",

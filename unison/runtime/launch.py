@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from . import health, member
+from . import ending, health, member
 
 log = logging.getLogger("unison.runtime")
 
@@ -154,6 +154,11 @@ class Topology:
     inter_node_groups: list = field(default_factory=list, repr=False)
     #: Every rank's local world size, in rank order (empty when unknown: a world of one).
     local_sizes: tuple = field(default=(), repr=False)
+
+    def let_go_of_groups(self) -> None:
+        """The job ended (``unison.shutdown()``): drop the groups, keep who this process was."""
+        self.world_group = self.intra_node_group = self.inter_node_group = None
+        self.inter_node_groups = []
 
     @property
     def uniform(self) -> bool:
@@ -406,6 +411,7 @@ def init(
         topo.backend,
     )
     _topology = topo
+    ending.hold(topo.let_go_of_groups)
     return topo
 
 

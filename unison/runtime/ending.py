@@ -1,0 +1,94 @@
+"""The end of a job: every process group let go while Python still runs, so gloo's threads end first.
+
+gloo runs each group's collectives on two worker threads of its own, and a worker holds a work
+(and the tensors it reduced) until a moment after the work reports it completed. If its last
+reference to a tensor whose Python object is still alive goes then, freeing that object takes
+the GIL; once the interpreter has begun to finalize, CPython ends such a thread inside C++ and
+the process aborts ("terminate called without an active exception"): a job that trained well
+exits with SIGABRT. Only a group's destructor joins its workers (torch 2.13:
+``destroy_process_group()`` and the backend's ``shutdown()`` leave them running), and it runs
+when the last reference to the group goes. So the end of a job lets go of every reference unison
+and torch hold to every group, on the main thread, before the interpreter finalizes: in
+``unison.shutdown()``, or at exit when the script did not call it.
+
+The references, and where each is let go of:
+
+- each ``DataParallel`` (its group, step group, Replica and engine): it hands ``hold()`` the method
+  that lets go of them (no collective, no thread left), which ``end()`` calls;
+- the Topology ``init()`` returned (which the script keeps): held too, its groups cleared;
+- unison's private groups and torch's own maps: ``forget_private_groups()`` and
+  ``destroy_process_group()``;
+- ``torch.distributed.nn.functional`` binds its ``group=`` defaults to the default group itself
+  when it is first imported after ``init_process_group`` (torch.optim's first optimizer imports
+  it, through torch._dynamo): unison imports it before starting a group, and ``end()`` puts
+  ``None`` (the same default) back where it was bound all the same.
+
+Under fault tolerance the membership's groups end with the Member (``member.Member.close``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import sys
+import weakref
+from typing import Callable
+
+import torch.distributed as dist
+
+# Imported before any group exists, so that its ``group=group.WORLD`` defaults are None (see above).
+import torch.distributed.nn.functional as _dist_nn_functional
+
+from . import health, member
+
+_holders: list[weakref.WeakMethod] = []
+_held = False  # whether unison held a group in this process (at exit, a job that never used it is left alone)
+
+
+def hold(let_go: Callable[[], None]) -> None:
+    """The object of the bound method ``let_go`` keeps process groups until ``end()`` calls it
+    (held weakly: an object collected before has let go of them already)."""
+    global _held
+    _holders[:] = [ref for ref in _holders if ref() is not None]
+    _holders.append(weakref.WeakMethod(let_go))
+    _held = True
+
+
+def _unbind_torch_defaults() -> None:
+    """Put None back in ``torch.distributed.nn.functional``'s defaults where a group was bound."""
+    for fn in vars(_dist_nn_functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+def end() -> None:
+    """Let go of every process group unison holds, destroy torch's, and collect what is left, so
+    the groups' destructors join their threads now (``unison.shutdown()`` calls it)."""
+    from .groups import forget_private_groups
+    from .launch import forget_topology
+
+    holders = [ref() for ref in _holders]
+    _holders.clear()
+    for let_go in holders:
+        if let_go is not None:
+            let_go()
+    forget_topology()
+    forget_private_groups()
+    health.stop()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _unbind_torch_defaults()
+    gc.collect()  # a wrapper dropped in a reference cycle still holds its groups until collected
+
+
+def _at_exit() -> None:
+    """The script ended without ``unison.shutdown()``: end the job as it would have, unless an
+    uncaught exception ended it (a peer may be gone; the groups then go as torch lets them) or a
+    Member runs the membership (it ends its own groups)."""
+    if _held and not hasattr(sys, "last_value") and member.active() is None:
+        end()
+
+
+# Registered at import, before health's and the Member's handlers: atexit runs it after them.
+atexit.register(_at_exit)
