@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, TypeVar
 
@@ -31,6 +30,7 @@ from .engine import sparse as sparse_grads
 from .engine.buckets import MB
 from .engine.comm import check_same_everywhere
 from .engine.reducer import GradReducer
+from .engine.weak import weak
 from .events import Dispatcher
 from .hooks import Hooks, StepClock, StepFn
 from .replica import Replica
@@ -167,6 +167,15 @@ class FaultPolicy(Protocol):
         of them met; True if they did (False at once elsewhere)."""
         ...
 
+    @property
+    def commits_by_node(self) -> bool:
+        """Whether the node's processes decide together whether a round is applied (``commit``)."""
+        ...
+
+    def commit(self, ok: bool) -> None:
+        """Over a model sharded by FSDP2: before a round is applied, raise if another process of
+        the node did not complete its round (``ok``: this one did); nothing elsewhere."""
+
 
 class NoFaultTolerance:
     """Fault tolerance off: nothing is recovered from, every step is committed."""
@@ -193,6 +202,11 @@ class NoFaultTolerance:
 
     def agree(self) -> bool:
         return False
+
+    commits_by_node = False
+
+    def commit(self, ok: bool) -> None:
+        pass
 
 
 class Core:
@@ -293,6 +307,15 @@ class Core:
     def fault_tolerant(self) -> bool:
         """Whether failures are recovered from (the fault policy is ``unison.fault.FaultTolerance``)."""
         return self.fault.active
+
+    @property
+    def commits_by_node(self) -> bool:
+        """Whether the node's processes decide together whether a round is applied (the fault policy's)."""
+        return self.fault.commits_by_node
+
+    def commit(self, ok: bool) -> None:
+        """Before a round of the algorithm's own is applied: the fault policy's ``commit``."""
+        self.fault.commit(ok)
 
     # ---- the algorithm ------------------------------------------------------------
     @property
@@ -545,15 +568,3 @@ class Core:
     def passes(self) -> int:
         """Synchronized backward passes, across every engine this wrapper has had."""
         return self.retired_passes + (self.reducer.passes if self.reducer is not None else 0)
-
-
-def weak(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A callable that calls the bound ``method`` while its object lives (hooks must not keep
-    a wrapper alive: a discarded wrapper is then released by its finalizer)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        target = ref()
-        return None if target is None else target(*args, **kwargs)
-
-    return call

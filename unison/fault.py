@@ -342,6 +342,35 @@ class FaultTolerance:
         self._settled(pending or "idle", None, regroup=True)
         return True
 
+    @property
+    def commits_by_node(self) -> bool:
+        """Whether the node's processes decide together whether a round is applied (``commit``)."""
+        return self._node_group() is not None
+
+    def commit(self, ok: bool) -> None:
+        """Before a round of the algorithm's own is applied (an average, an outer step), over a
+        model sharded by FSDP2 on the node's mesh: one commit decision for the node. Its processes
+        tell each other whether their round completed (``ok``; one all-reduce over the node's
+        group), and one whose round completed raises ``MembershipChanged`` if another's did not.
+
+        Each local rank's round runs over its own replicas: a failure can end one local rank's and
+        spare another's (a process killed between them). Applied on one shard and dropped on the
+        other, the node's shards would be synced at different steps; so the round is dropped (or
+        launched again: ``Recovery.interrupted``) on every shard of the node, as the failed one is;
+        where the round is shared state (an outer step) the settle that follows heals the replicas
+        behind to the nodes that applied it, on every shard alike (torchft's ``should_commit``).
+        Read on the host, like ``agree``: the process must know before it writes.
+        """
+        node = self._node_group()
+        if node is None or self._recovering:
+            return
+        flag = torch.tensor([int(ok)], device=wire_device(node))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=node)
+        if ok and not int(flag.item()):
+            raise MembershipChanged(
+                f"worker {self._member.id}: another process of this node lost its round: the node applies it on no shard"
+            )
+
     def _node_group(self) -> Optional[dist.ProcessGroup]:
         """The node's group when the model is sharded by FSDP2 over it, else None."""
         model, node = self._model(), self._member.node_group

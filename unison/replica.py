@@ -45,6 +45,11 @@ class Wiring(Protocol):
     @property
     def saved_on_host(self) -> bool: ...
 
+    @property
+    def commits_by_node(self) -> bool: ...
+
+    def commit(self, ok: bool) -> None: ...
+
 
 class Standalone:
     """The wiring of a Replica with no wrapper (unit tests): no engine, fresh hooks and clock."""
@@ -56,6 +61,10 @@ class Standalone:
         self.hooks = Hooks(self.clock)
         self.fault_tolerant = False
         self.saved_on_host = False
+        self.commits_by_node = False
+
+    def commit(self, ok: bool) -> None:
+        pass
 
 
 class Replica:
@@ -163,6 +172,21 @@ class Replica:
         (``DataParallel(ft_offload=True)``): an algorithm's own copies for it go there too
         (``unison.engine.offload.empty_like``)."""
         return self._wiring.saved_on_host
+
+    @property
+    def commits_by_node(self) -> bool:
+        """Whether the node's processes decide together whether a round of the algorithm's own
+        is applied (``commit``: fault tolerance over FSDP2): its result is then held, not written
+        into the model, until ``commit`` has returned."""
+        return self._wiring.commits_by_node
+
+    def commit(self, ok: bool) -> None:
+        """Before a round of the algorithm's own is applied, once its wait returned (``ok``) or
+        raised: where the node decides together (``commits_by_node``), raise ``MembershipChanged``
+        if another process of the node did not complete its round, so that the node applies a
+        round on all its shards or on none (a process whose wait raised raises its own error
+        after this call). Nothing elsewhere."""
+        self._wiring.commit(ok)
 
     def saved_gradients(self, bucket: Bucket) -> Optional[list[torch.Tensor]]:
         """Under fault tolerance, the copies of ``bucket``'s local gradients that the backward pass

@@ -304,8 +304,24 @@ def _algorithm_state(model: nn.Module) -> Optional[dict[str, Any]]:
 
 
 def _layout(module: nn.Module) -> dict[str, Any]:
-    """The world size and the device mesh the shards lie on (its ranks and dimension names)."""
-    mesh = next(p for p in module.parameters() if is_dtensor(p)).device_mesh._get_root_mesh()  # type: ignore[attr-defined]
+    """The world size and the device mesh the shards lie on (its ranks and dimension names).
+
+    A model sharded over ``unison.node_mesh()`` lies on its own node's mesh, whose ranks differ from
+    node to node (rank 0's record would not match the other nodes' ranks: they alone refused the
+    load) and, under fault tolerance, are those of the membership that built the node's group (the
+    mesh keeps them when the world is rebuilt: after a failure, rank 0's node could record ranks
+    [2, 3] that no fresh job has). So it is described by every node's ranks in the current
+    membership, nodes holding consecutive ranks: the same on every rank, and what a fresh job of as
+    many nodes of as many processes has.
+    """
+    from .runtime.launch import is_node_mesh, topology
+
+    mesh = next(p for p in module.parameters() if is_dtensor(p)).device_mesh  # type: ignore[attr-defined]
+    if is_node_mesh(mesh):
+        topo = topology()
+        nodes = [topo.node_ranks(n) for n in range(topo.num_nodes)]
+        return {"world_size": dist.get_world_size(), "mesh": nodes, "names": ("node", *mesh.mesh_dim_names)}
+    mesh = mesh._get_root_mesh()
     return {"world_size": dist.get_world_size(), "mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names}
 
 

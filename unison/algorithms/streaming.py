@@ -100,6 +100,9 @@ class Streams:
         merge: ``merge(f, pending.wait(), extra)``.
         redo: syncs abandoned by a membership change (``abandon``) are launched again at the next
             step, on the new members (DiLoCo's outer steps); otherwise they are dropped.
+        commit: told whether a landing sync's wait returned (True) or raised (False) before it is
+            merged; it raises to keep one that returned from being merged (``Replica.commit``:
+            over FSDP2 the node's processes merge a round on all their shards or on none).
     """
 
     def __init__(
@@ -108,8 +111,10 @@ class Streams:
         launch: Callable[[int], tuple[Waitable, Any]],
         merge: Callable[[int, Any, Any], None],
         redo: bool = False,
+        commit: Callable[[bool], None] = lambda ok: None,
     ) -> None:
         self.stagger, self._launch, self._merge, self.redo = stagger, launch, merge, redo
+        self._commit = commit
         self.inflight: dict[
             int, tuple[int, Waitable, Any]
         ] = {}  # fragment -> (launch step, pending, extra), in launch order
@@ -160,7 +165,12 @@ class Streams:
 
     def _land(self, f: int) -> None:
         _, pending, extra = self.inflight[f]
-        result = pending.wait()  # a failed wait leaves the sync in flight, for ``abandon``
+        try:
+            result = pending.wait()  # a failed wait leaves the sync in flight, for ``abandon``
+        except Exception:
+            self._commit(False)
+            raise
+        self._commit(True)  # raises if the node merges it nowhere: left in flight as well
         del self.inflight[f]
         self._merge(f, result, extra)
         self.merged += 1
@@ -312,6 +322,7 @@ class Streamed(Algorithm[T]):
             lambda f: self.launch(replica, state, f),
             lambda f, result, extra: self.merge(replica, state, f, result, extra),
             redo=self.recovery is not None and self.recovery.relaunches,
+            commit=replica.commit,
         )
 
     def use_nodes(self, replica: Replica, state: T, fragments: list[list[torch.Tensor]]) -> None:

@@ -15,7 +15,10 @@ inside, each local rank averages its shard with the other nodes', the node
 gathers the shards (``engine.hierarchy.TwoLevel``), so a node's link carries one copy per
 node. Parameters and
 floating-point buffers (BatchNorm statistics) are averaged; the optimizers'
-states stay local.
+states stay local. Under ``fault_tolerant=True`` over FSDP2 a blocking average
+is held (a copy of the local shards, while it travels) until every process of
+the node has completed its own (``Replica.commit``): a node applies it on all
+its shards or on none.
 """
 
 from __future__ import annotations
@@ -112,7 +115,9 @@ class LocalSGD(Streamed[LocalSGDState]):
     def launch(self, replica: Replica, state: LocalSGDState, fragment: int) -> tuple[Waitable, Any]:
         """Start averaging ``fragment``; keep its values when the average lands late."""
         tensors = state.fragments[fragment]
-        if not state.late and state.levels is None:  # lands at once: averaged in place, staged by chunks
+        # Lands at once: averaged in place, staged by chunks; unless the node decides whether it is
+        # applied (``commits_by_node``), which holds its result until then.
+        if not state.late and state.levels is None and not replica.commits_by_node:
             state.bytes_sent += average_(tensors, state.group)
             return Finished(None), None
         with torch.no_grad():
