@@ -55,7 +55,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--heartbeat-timeout",
         type=positive_float,
         default=coordinator.STALE_S,
-        help="seconds of heartbeat silence after which a worker is evicted (a stopped or hung process)",
+        help="seconds of heartbeat silence after which a worker is evicted (a stopped or hung process; "
+        "one on this machine whose process still runs is slow, and kept up to 30 s)",
     )
     s = p.add_argument_group("status page (read-only HTML at /, JSON at /status.json)")
     s.add_argument(

@@ -9,9 +9,9 @@ nodes regroup, and under ``respawn`` a new node of fresh processes joins. The co
 workers through keys of the TCPStore it hosts (no training rank hosts it, so any rank may die),
 and every wait on them blocks in the store instead of polling:
 
-- ``ft/inbox/<k>``: a message to the coordinator (JSON: a worker's ``join`` with its pid and node,
-  ``done``, ``leave``, or an agent's ``exit`` of a worker), k from the counter ``ft/inbox``; a
-  thread of the coordinator waits on the next one and deletes it once read;
+- ``ft/inbox/<k>``: a message to the coordinator (JSON: a worker's ``join`` with its pid, host,
+  process start time and node, ``done``, ``leave``, or an agent's ``exit`` of a worker), k from
+  the counter ``ft/inbox``; a thread of the coordinator waits on the next one and deletes it once read;
 - ``ft/hb/<id>``: a counter the worker bumps every ``member.HEARTBEAT_S``; the coordinator reads
   every member's in one ``multi_get`` every ``BEAT_LOOK_S``;
 - ``ft/members/<e>``: membership ``e`` as JSON (members, their nodes, joiners, reason), then
@@ -31,7 +31,12 @@ Keys no longer needed are deleted: inbox messages once read, the heartbeats of e
 the regroup keys (``ft/pg/<e>/ready/...``) of memberships two behind.
 
 The coordinator learns of a child's death at once (``poll``), of a worker started by an agent
-from the agent's ``exit`` message, and of a hang by a heartbeat that stopped moving. It never
+from the agent's ``exit`` message, and of a hang by a heartbeat that stopped moving. A slow
+process is not a dead one: silence is counted only while the coordinator itself looks on time
+(``LATE_S``: waking from a stop or a starved spell of its own, it does not find every heartbeat
+stale at once), and a worker on the coordinator's machine whose heartbeat stands still while its
+process runs (its CPU time grows: starved of CPU, or its heartbeat thread kept from the GIL by a
+long call) stays a member up to ``SLOW_S``; a stopped or dead one goes after ``stale_s``. It never
 signals a member of a healthy node while the job runs; it stops its own workers (each in a
 session of its own, so its process group is the worker and its children) when it ends or is told
 to stop: SIGTERM, SIGINT or SIGHUP to the launcher (then it exits 128 + the signal), a start-up
@@ -52,6 +57,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -60,17 +66,24 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .member import ring, unring
+from .member import process_stat, ring, unring
 from .status_page import StatusPage
 from .template import Forked, Template
 
 logger = logging.getLogger("unison.launch")
 
 #: The level of each kind of note (``Coordinator.note``); any other kind is INFO.
-LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR, "stop": logging.WARNING}
+LEVELS = {"failure": logging.WARNING, "abort": logging.ERROR, "stop": logging.WARNING, "slow": logging.WARNING}
 
 #: Seconds a heartbeat may stand still before its worker is evicted.
 STALE_S = 2.0
+#: Seconds of silence one look at the heartbeats counts at most, however long since the last: a
+#: coordinator that was itself stopped or starved does not take its own absence for the workers'
+#: silence (it would find every heartbeat stale at once as it woke up).
+LATE_S = 0.5
+#: Seconds a worker on the coordinator's machine may stay silent while its process runs (its CPU
+#: time grows within ``stale_s / 2``): slow, not stopped or dead, it is evicted only after this.
+SLOW_S = 30.0
 #: Seconds between two looks at the children (a local ``poll``, no store operation).
 TICK_S = 0.02
 #: Seconds between two reads of the members' heartbeats (one ``multi_get``) and of ``ft/rebuild``.
@@ -102,7 +115,8 @@ class Settings:
         respawn: start a new node for each node that fails (one of its processes died or was evicted).
         max_respawns: most nodes started again over the job (None: no limit).
         join_timeout: seconds the members may stay below ``min_replicas``.
-        stale_s: seconds of heartbeat silence before a worker (and its node) is evicted.
+        stale_s: seconds of heartbeat silence before a worker (and its node) is evicted (a worker
+            on this machine whose process still runs: ``SLOW_S``).
         expected: workers to wait for before the first membership (default nproc).
         expected_nodes: nodes to wait for before the first membership (workers started elsewhere).
         max_start_failures: stop the job after this many workers in a row exited by themselves
@@ -135,8 +149,13 @@ class Worker:
     process: Optional[Union[subprocess.Popen, Forked]] = None
     beat: int = -1
     beat_seen: float = 0.0
+    silent_from: float = 0.0  # the coordinator's watch (``Coordinator.watch``) when the heartbeat last moved
+    cpu: Optional[int] = None  # its process's CPU time at the last look during this silence
+    cpu_moved: float = 0.0  # the watch when that CPU time last grew
+    slow: bool = False  # logged as slow during this silence
     state: str = "starting"  # starting, waiting, member, finished, dead, evicted, left
     pid: Optional[int] = None
+    process_start: Optional[int] = None  # when its process started (``member.process_stat``), as its join says
     node: Optional[int] = None
     local_rank: int = 0
     node_size: int = 1
@@ -212,6 +231,7 @@ class Coordinator:
         self.settings, self.command = settings, list(command or [])
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self.host, self.port = host, self.store.port  # the port bound (the OS's choice when asked for 0)
+        self.hostname = socket.gethostname()  # a worker whose join names it runs on this machine
         self.page: Optional[StatusPage] = None
         if settings.status_port is not None:
             try:
@@ -241,7 +261,8 @@ class Coordinator:
         self.hurry = False
         self.given_up = False  # a start-up failure ended the job: the other workers are stopped
         self.lock = threading.Lock()  # the loop's changes against status()
-        self._beats_looked = 0.0  # when the heartbeats were last read
+        self._beats_looked = time.monotonic()  # when the heartbeats were last read
+        self.watch = 0.0  # seconds of the workers' silence counted so far (LATE_S at most a look)
         # Messages and ft/abort come through threads blocked in the store, each on a client of its own.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._abort_seen: Optional[str] = None
@@ -340,8 +361,10 @@ class Coordinator:
             code = w.process.poll()
             if code is not None:
                 self._exited(w, code, now, reasons)
-        if now - self._beats_looked >= BEAT_LOOK_S:
-            self._beats_looked = now
+        looked = time.monotonic()
+        if looked - self._beats_looked >= BEAT_LOOK_S:
+            self.watch += min(looked - self._beats_looked, LATE_S)
+            self._beats_looked = looked
             self._look_at_beats(now, reasons)
         return reasons
 
@@ -352,6 +375,7 @@ class Coordinator:
             w = self.workers[wid] = Worker(wid, started_at=now)
         if kind == "join":
             w.pid, w.host = message.get("pid", w.pid), message.get("host")
+            w.process_start = message.get("process_start")
             w.node, w.local_rank = int(message["node"]), int(message.get("local_rank", 0))
             w.node_size = int(message.get("local_world_size", 1))
             if w.state != "starting":
@@ -360,7 +384,7 @@ class Coordinator:
                 w.state, w.ended_at = "evicted", now
                 self._tell_node(w.node, self.failed_nodes[w.node])
                 return
-            w.state, w.beat_seen, w.joined_at = "waiting", now, now
+            w.state, w.beat_seen, w.joined_at, w.silent_from = "waiting", now, now, self.watch
             self.start_failures = 0  # the script gets as far as unison.init()
         elif kind == "done":
             if w.state not in ENDED:
@@ -411,7 +435,8 @@ class Coordinator:
 
     def _look_at_beats(self, now: float, reasons: list[str]) -> None:
         """Read every joined worker's heartbeat in one ``multi_get``: one that stood still for
-        ``stale_s`` is evicted with its node. Look for ``ft/rebuild/<epoch>`` too."""
+        ``stale_s`` (counted on ``watch``) is evicted with its node, unless its process runs
+        (``_runs``): that one is slow, and evicted after ``SLOW_S``. Look for ``ft/rebuild/<epoch>`` too."""
         watched = [w for w in self.workers.values() if w.state in ("waiting", "member")]
         if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
             reasons.append(f"the group of epoch {self.epoch} could not be built")
@@ -423,13 +448,43 @@ class Coordinator:
                 continue  # evicted with its node above
             beat = int(value)
             if beat != w.beat:
-                w.beat, w.beat_seen = beat, now
-            elif now - w.beat_seen > self.settings.stale_s:
-                w.state, w.ended_at = "evicted", now
-                reasons.append(f"worker {w.id} stopped answering")
-                self.note("failure", f"worker {w.id} silent for {now - w.beat_seen:.1f} s: evicted", worker=w.id)
-                self._node_failed(w, f"worker {w.id} stopped answering", now)
-                self._maybe_respawn(w)
+                w.beat, w.beat_seen, w.silent_from, w.cpu, w.slow = beat, now, self.watch, None, False
+                continue
+            silent, stale_s = self.watch - w.silent_from, self.settings.stale_s
+            runs = silent > stale_s / 4 and self._runs(w)  # no /proc read between two heartbeats
+            if silent <= stale_s:
+                continue
+            slow_s = max(SLOW_S, stale_s)
+            if runs and silent <= slow_s:
+                if not w.slow:
+                    w.slow = True
+                    self.note(
+                        "slow",
+                        f"worker {w.id} silent for {silent:.1f} s, but its process runs (starved of CPU, or its "
+                        f"heartbeat thread kept from the GIL): kept, up to {slow_s:.0f} s",
+                        worker=w.id,
+                    )
+                continue
+            w.state, w.ended_at = "evicted", now
+            reasons.append(f"worker {w.id} stopped answering")
+            self.note("failure", f"worker {w.id} silent for {silent:.1f} s: evicted", worker=w.id)
+            self._node_failed(w, f"worker {w.id} stopped answering", now)
+            self._maybe_respawn(w)
+
+    def _runs(self, w: Worker) -> bool:
+        """Whether ``w``'s process is runnable (waiting for a core: starved) or used CPU time within
+        the last ``stale_s / 2`` of its silence, and is neither stopped nor dead: read in /proc for
+        a process of this machine (the pid and start time its join gave); one on another machine is
+        not looked at."""
+        stat = None
+        if w.host == self.hostname and w.pid is not None and w.process_start is not None:
+            stat = process_stat(w.pid)
+        if stat is None or int(stat[19]) != w.process_start or stat[0] in (b"T", b"t", b"Z", b"X"):
+            return False
+        cpu = int(stat[11]) + int(stat[12])
+        if cpu != w.cpu:
+            w.cpu, w.cpu_moved = cpu, self.watch
+        return stat[0] == b"R" or self.watch - w.cpu_moved < self.settings.stale_s / 2
 
     def _node_failed(self, w: Worker, why: str, now: float) -> None:
         """``w`` failed: take its node out. Its other processes are evicted and stopped (SIGKILL to

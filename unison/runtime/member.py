@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
@@ -252,6 +252,18 @@ def post(store: dist.Store, kind: str, worker: int, **fields: Any) -> None:
     store.set(f"ft/inbox/{k}", json.dumps({"kind": kind, "worker": worker, **fields}))
 
 
+def process_stat(pid: Union[int, str] = "self") -> Optional[list[bytes]]:
+    """The fields of ``/proc/<pid>/stat`` from the state on (``[0]``: R, S, T (stopped), Z (dead),
+    ...; ``[11]``, ``[12]``: the CPU time it used, user and system, in clock ticks; ``[19]``: when
+    it started); None where there is no /proc or the process is gone. The coordinator tells a slow
+    worker from a stopped one by it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
 class Member:
     """This worker in the coordinator's memberships.
 
@@ -300,11 +312,13 @@ class Member:
         self._stop = threading.Event()
         self._bell = 1  # the next ring the watcher waits for (``ring``)
         self.store.set(f"ft/hb/{self.id}", "0")  # before the join: the coordinator reads it from then on
+        stat = process_stat()
         post(
             self.store,
             "join",
             self.id,
             pid=os.getpid(),
+            process_start=None if stat is None else int(stat[19]),  # with pid and host: this very process
             node=self.node,
             local_rank=local_rank,
             local_world_size=local_world_size,
