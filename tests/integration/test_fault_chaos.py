@@ -26,8 +26,7 @@ from launch import run as run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_ledger.py"
 LIMIT_S = 60
-#: Bytes queued on one connection that only a heal payload makes (a ledger step sends a few hundred).
-IN_FLIGHT = 256 * 1024
+#: The ledger's frozen pad, in MiB: a heal of 16 pieces of 4 MiB, stopped after its first (--hold-heal).
 PAD_MB = 64
 PAD_MOD = 9973
 
@@ -224,77 +223,38 @@ def kinds(result: dict) -> list[str]:
 
 
 # ---- kills that land while a joiner heals -------------------------------------------------------
-def _sockets(pid: int) -> set[str]:
-    inodes = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    except OSError:
-        pass
-    return inodes
-
-
-def _tcp() -> dict[str, tuple[str, str, int]]:
-    """{socket inode: (local address, remote address, bytes queued: unacknowledged + unread)}."""
-    table = {}
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            tx, rx = (int(x, 16) for x in cols[4].split(":"))
-            table[cols[9]] = (cols[1], cols[2], tx + rx)
-    return table
-
-
-def in_flight(a: int, b: int) -> int:
-    """Bytes queued in the kernel on the TCP connections between processes ``a`` and ``b``."""
-    table = _tcp()
-    ends_a = [table[i] for i in _sockets(a) if i in table]
-    ends_b = {(table[i][0], table[i][1]): table[i][2] for i in _sockets(b) if i in table}
-    total = 0
-    for local, remote, queued in ends_a:
-        if (remote, local) in ends_b:
-            total += queued + ends_b[(remote, local)]
-    return total
-
-
-def heal_in_flight(job: Job, joiner_id: int) -> tuple[int, int, list[int], int]:
-    """Wait for worker ``joiner_id`` to be admitted, then for its heal payload to be on the wire;
-    return (joiner pid, the pid sending it, the members the joiner was admitted with, bytes seen)."""
+def heal_in_flight(job: Job, joiner_id: int) -> tuple[int, int, list[int], dict]:
+    """Wait for worker ``joiner_id`` to be admitted, then for its heal to stop half done (``--hold-heal``:
+    one piece asked for, the rest not yet); return (joiner pid, the pid of a source of the heal,
+    the members the joiner was admitted with, its ``held`` mark: the sources and number of pieces)."""
     joiner = job.wait_for(
         f"worker {joiner_id} admitted", lambda: (p := job.pid_of(joiner_id)) and job.marked("joined", p) and p
     )
     members = [m for m in job.joined(joiner)["members"] if m != joiner_id]
-    senders = [job.pid_of(m) for m in members]
-
-    def sending():
-        assert not job.marked("ready", joiner), "the heal ended before its payload was seen on the wire"
-        for pid in senders:
-            queued = in_flight(pid, joiner) if pid else 0
-            if queued > IN_FLIGHT:
-                return pid, queued
-        return None
-
-    source, queued = job.wait_for(f"worker {joiner_id}'s heal payload on the wire", sending, timeout=30, poll=0)
-    return joiner, source, members, queued
+    held = job.wait_for(
+        f"worker {joiner_id}'s heal stopped half done",
+        lambda: job.marked("held", joiner) and json.loads((job.out / f"held-{joiner}").read_text()),
+        timeout=30,
+        poll=0.01,
+    )
+    assert not job.marked("ready", joiner), "the heal ended while it was held"
+    assert held["pieces"] > 1 and set(held["sources"]) <= set(members), held
+    return joiner, job.pid_of(held["sources"][0]), members, held
 
 
 def _heal_job(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = 400) -> Job:
     """Worker 1 dies at step 10 and is replaced; steps sleep until the test hurries them."""
     args = ("--steps", str(steps), "--sleep", "0.03", "--kill", "1@10", "--pad-mb", str(PAD_MB), *extra)
-    # Each healed worker pauses after every 4 MiB piece it receives: the heal stays on the wire
-    # for ~16 x 0.5 s, so the test catches it there rather than racing it (at 0.15 s a loaded CI
-    # machine once polled the sockets too seldom to see it, and the heal ended first).
-    args += ("--slow-heal", "0.5")
+    # Worker 3 (1's replacement) stops before it asks for the second 4 MiB piece of its heal until
+    # the test lets it go (``let_heals_go``): the test acts while the heal is half done, however loaded the
+    # machine (pausing 0.5 s a piece and watching the sockets for the payload still lost the race).
+    args += ("--hold-heal", f"3@{tmp_path / 'heals-go'}")
     return Job(tmp_path, *args, "--hurry-file", str(tmp_path / "hurry"), nproc=nproc, launcher=("--respawn",), nice=10)
+
+
+def let_heals_go(tmp_path: Path) -> None:
+    """The held heal goes on, and no later heal stops (see ``_heal_job``)."""
+    (tmp_path / "heals-go").touch()
 
 
 def hurry(job: Job, tmp_path: Path, worker: int) -> None:
@@ -306,13 +266,14 @@ def hurry(job: Job, tmp_path: Path, worker: int) -> None:
 @pytest.mark.alone
 def test_the_heal_source_killed_mid_transfer_the_joiner_heals_from_another_member(tmp_path):
     """Worker 1 dies at step 10, its replacement (3) joins and heals; its source is SIGKILLed while
-    the payload is on the wire. The joiner heals again from the surviving member, the source's own
+    its heal is half done. The joiner heals again from the surviving member, the source's own
     replacement (4) heals too, and every ledger is exact."""
     steps = 400
     with _heal_job(tmp_path, steps=steps) as job:
-        joiner, source, members, queued = heal_in_flight(job, 3)
+        joiner, source, members, held = heal_in_flight(job, 3)
         assert job.signal(source, signal.SIGKILL)
         killed_at = time.time()
+        let_heals_go(tmp_path)
         hurry(job, tmp_path, 4)
         code = job.wait(LIMIT_S)
     found, err = job.results(), job.stderr
@@ -329,7 +290,6 @@ def test_the_heal_source_killed_mid_transfer_the_joiner_heals_from_another_membe
     for result in found.values():
         assert result["w"] == [-1.0] * steps and result["world"] == 3
         assert result["pad"] == pad_sum(PAD_MB)  # the frozen pad came whole through the heals
-    assert queued > IN_FLIGHT
 
 
 @pytest.mark.alone
@@ -338,10 +298,11 @@ def test_the_joiner_killed_mid_heal_the_members_go_on_and_its_replacement_heals(
     wire; the members go on, worker 3's replacement (4) heals, and every ledger is exact."""
     steps = 400
     with _heal_job(tmp_path, steps=steps) as job:
-        joiner, source, members, queued = heal_in_flight(job, 3)
+        joiner, source, members, held = heal_in_flight(job, 3)
         admitted = job.joined(joiner)["time"]
         assert job.signal(joiner, signal.SIGKILL)
         killed_at = time.time()
+        let_heals_go(tmp_path)
         hurry(job, tmp_path, 4)
         code = job.wait(LIMIT_S)
     found, err = job.results(), job.stderr
@@ -364,7 +325,6 @@ def test_the_joiner_killed_mid_heal_the_members_go_on_and_its_replacement_heals(
     for result in found.values():
         assert result["w"] == [-1.0] * steps and result["world"] == 3
         assert result["pad"] == pad_sum(PAD_MB)
-    assert queued > IN_FLIGHT
 
 
 # ---- chaos -----------------------------------------------------------------------------------
