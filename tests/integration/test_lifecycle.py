@@ -186,3 +186,26 @@ def _optimizer_close():
 def test_distributed_optimizer_close_leaves_no_hook():
     for counts in launch.run(_optimizer_close, 2):
         assert counts == CLEAN
+
+
+def _after_shutdown():
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = unison.DataParallel(net, optimizer=opt)
+    _train(model, opt, steps=2, rank=dist.get_rank())
+    unison.shutdown()
+    refused = {}
+    for what, call in [("forward", lambda: model(batch(0, 0)[0])), ("switch_to", lambda: model.switch_to("local_sgd"))]:
+        with pytest.raises(RuntimeError, match="this wrapper is closed") as info:
+            call()
+        refused[what] = str(info.value)
+    return {"refused": refused, "hooks": _hook_counts(net, opt), "group": model.process_group}
+
+
+def test_a_wrapper_after_shutdown_is_closed_and_says_so():
+    """``unison.shutdown()`` releases every wrapper (runtime/ending.py): a later forward or switch
+    raises that it is closed, on every rank, and no hook or group of it is left behind."""
+    for r in launch.run(_after_shutdown, 2):
+        assert set(r["refused"]) == {"forward", "switch_to"}
+        assert r["hooks"] == CLEAN and r["group"] is None
