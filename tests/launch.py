@@ -1,10 +1,11 @@
 """Run a function on N real processes joined by a gloo process group on loopback.
 
-Processes come from a forkserver that has already imported torch, so each group
-starts in well under a second; several checks share one group. The group's store
-is served by the test's process on a port the OS picked as it bound it, as
-torchrun's agent serves its workers' (``unison.runtime.serve_store``): every rank
-is a client, and a rank's death leaves the store up.
+Processes come from a forkserver that has already imported torch, torch._dynamo (which
+building an optimizer imports) and unison, so each group starts in well under a second;
+several checks share one group. The group's store is served by the test's process on a
+port the OS picked as it bound it, as torchrun's agent serves its workers'
+(``unison.runtime.serve_store``): every rank is a client, and a rank's death leaves the
+store up.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from unison.runtime import client_env, serve_store
 #: tests use it; test_launcher, the agents' tests and test_train_fault_tolerant start their
 #: workers as ``python script``.
 PRELOAD = ("--preload", "torch,torch._dynamo,unison")
+#: What the forkserver of ``run`` imports once, before it forks any rank: the same modules, so a
+#: rank that builds an optimizer (nearly every one) does not import torch._dynamo itself (about
+#: 1.5 s of CPU per rank, which every group paid again).
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "unison")
 
 
 def torchrun(*args: str, cwd: Any, timeout: float) -> subprocess.CompletedProcess:
@@ -68,7 +73,7 @@ def _worker(
 def _start(fn: Callable, world: int, args: tuple, outdir: str, pg_timeout: float, env: Optional[dict], store):
     """Start ``world`` ranks from the forkserver on ``store``; each writes its outcome to ``outdir/<rank>.pt``."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "unison"])
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return mp.start_processes(
         _worker,
         args=(fn, world, client_env(store), outdir, env or {}, args, pg_timeout),

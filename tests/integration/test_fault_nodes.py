@@ -18,6 +18,7 @@ from pathlib import Path
 from launch import PRELOAD
 
 from integration.test_launcher import ENV, SCRIPT, Launcher, alive, gone_within
+from unison.apps import cli
 
 LIMIT_S = 90
 
@@ -250,7 +251,9 @@ def _parent(pid: int) -> int:
         return -1
 
 
-def test_bad_launch_options_are_refused_with_what_to_do():
+def test_bad_launch_options_are_refused_with_what_to_do(capsys):
+    """Each refused before anything starts: the first as a user runs it (a fresh interpreter, its
+    exit status), the others through the same ``unison.apps.cli.main`` in this process."""
     cases = [
         ((), "give --nproc N (processes, nodes of one) or --nodes N [--procs-per-node P]"),
         (("--nproc", "2", "--procs-per-node", "2"), "use --nodes N --procs-per-node P"),
@@ -258,7 +261,23 @@ def test_bad_launch_options_are_refused_with_what_to_do():
         (("--procs-per-node", "2", "--coordinator", "h:1", "--min-replicas", "2"), "belong to `unison coordinator`"),
         (("--procs-per-node", "2", "--coordinator", "nohost"), "is not HOST:PORT"),
     ]
-    for args, words in cases:
-        cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", *args, str(SCRIPT), "--out", "unused"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
-        assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
+    for i, (args, words) in enumerate(cases):
+        argv = ["launch", "--fault-tolerant", *args, str(SCRIPT), "--out", "unused"]
+        if i == 0:
+            done = subprocess.run(
+                [sys.executable, "-m", "unison", *argv], capture_output=True, text=True, timeout=60, env=ENV
+            )
+            code, err = done.returncode, done.stderr
+        else:
+            code, err = cli_main(capsys, argv)
+        assert code == 2 and words in err, (args, err)
+
+
+def cli_main(capsys, argv: list[str]) -> tuple[object, str]:
+    """``unison ARGV`` in this process: its exit status (returned, or raised by argparse) and stderr."""
+    capsys.readouterr()
+    try:
+        code: object = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err

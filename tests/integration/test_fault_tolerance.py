@@ -447,10 +447,10 @@ def test_when_the_coordinator_dies_every_worker_raises_rank_failure(tmp_path):
     pids: list[int] = []
     try:
         deadline = time.time() + LIMIT_S
-        while len(list(out.glob("pid-*"))) < 2 and time.time() < deadline:
+        while len(list(out.glob("ready-*"))) < 2 and time.time() < deadline:  # both built their models
             time.sleep(0.05)
         pids = [int(p.name.split("-")[1]) for p in out.glob("pid-*")]
-        time.sleep(4.0)  # training is under way
+        time.sleep(1.0)  # training is under way
         launcher.kill()
         launcher.wait()
         killed_at = time.time()

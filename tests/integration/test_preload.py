@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from integration.test_launcher import gone_within
+from unison.apps import cli
 from unison.apps.launch_cmd import module_list
 
 LIMIT_S = 60
@@ -64,6 +65,16 @@ raise ValueError("the script's own error")
 def launch(tmp_path: Path, *args: str, script: str, cwd: Path, env: dict = ENV) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--no-status", *args, script]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, env=env, cwd=cwd)
+
+
+def cli_main(capsys, *args: str, script: str) -> tuple[object, str]:
+    """``launch``'s command run in this process: its exit status (returned, or raised by argparse) and stderr."""
+    capsys.readouterr()
+    try:
+        code: object = cli.main(["launch", "--fault-tolerant", "--no-status", *args, script])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
 
 
 def test_a_forked_worker_runs_its_script_as_python_does(tmp_path):
@@ -124,30 +135,24 @@ def test_the_template_ends_with_the_job(tmp_path):
     assert gone_within([template], 10.0) == []
 
 
-def test_bad_preload_values_are_refused_with_what_to_do(tmp_path):
+def test_bad_preload_values_are_refused_with_what_to_do(tmp_path, capsys):
+    """Refused before anything starts: the first as a user runs it (a fresh interpreter, its exit
+    status), the next three through the same ``unison.apps.cli.main`` in this process."""
     script = tmp_path / "job.py"
     script.write_text("import unison\nunison.init()\n")
     unknown = launch(
         tmp_path, "--nproc", "2", "--preload", "torch,no_such_module_here", script=str(script), cwd=tmp_path
     )
     assert unknown.returncode == 2 and "no module named 'no_such_module_here'" in unknown.stderr, unknown.stderr
-    empty = launch(tmp_path, "--nproc", "2", "--preload", ",", script=str(script), cwd=tmp_path)
-    assert empty.returncode == 2 and "give at least one module" in empty.stderr, empty.stderr
+    code, err = cli_main(capsys, "--nproc", "2", "--preload", ",", script=str(script))
+    assert code == 2 and "give at least one module" in err, err
     assert module_list(" torch,,unison ") == ("torch", "unison")  # blanks between commas are skipped
-    folder = launch(tmp_path, "--nproc", "2", "--preload", "torch", script=str(tmp_path), cwd=tmp_path)
-    assert folder.returncode == 2 and "--preload runs a script file" in folder.stderr, folder.stderr
-    agent = launch(
-        tmp_path,
-        "--procs-per-node",
-        "2",
-        "--coordinator",
-        "127.0.0.1:1",
-        "--preload",
-        "torch",
-        script=str(script),
-        cwd=tmp_path,
+    code, err = cli_main(capsys, "--nproc", "2", "--preload", "torch", script=str(tmp_path))
+    assert code == 2 and "--preload runs a script file" in err, err
+    code, err = cli_main(
+        capsys, "--procs-per-node", "2", "--coordinator", "127.0.0.1:1", "--preload", "torch", script=str(script)
     )
-    assert agent.returncode == 2 and "a node's agent (--coordinator)" in agent.stderr, agent.stderr
+    assert code == 2 and "a node's agent (--coordinator)" in err, err
     # A module found here that fails as the template imports it: the launcher says which and why.
     (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('not today')\n")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
