@@ -277,7 +277,7 @@ class DataParallel(nn.Module):
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
         if self.process_group is not None:
-            ending.hold(self._let_go_of_groups)  # the job's end lets go of its groups (runtime/ending.py)
+            ending.hold(self._release, self._let_go_of_groups)  # the job's end (runtime/ending.py)
         # Fault tolerance: a joiner takes the members' state (at the job's start, rank 0's), and a
         # member lost while the algorithm builds its groups is recovered from.
         self._core.fault.start(self._start_algorithm)
@@ -414,11 +414,14 @@ class DataParallel(nn.Module):
         finally:
             self._finalizer()  # no hook is left behind, even when the algorithm's teardown raised
 
-    def _let_go_of_groups(self) -> None:
+    def _release(self) -> None:
         """The job ends (``unison.shutdown()``, or the interpreter's exit without it): released as
-        when collected (no collective, no thread, no hook left) and its groups dropped, so that
-        their threads are joined before the interpreter finalizes (runtime/ending.py)."""
+        when collected (no collective, no thread, no hook left)."""
         self._finalizer()
+
+    def _let_go_of_groups(self) -> None:
+        """Then its groups are dropped, so that their threads are joined before the interpreter
+        finalizes (runtime/ending.py)."""
         self.process_group = self._step_group = self._buffer_sync = None
         self._core.replica.group = None
 

@@ -52,6 +52,8 @@ for name in algorithms:
         loss.backward()
         optimizer.step()
     models.append((model, optimizer, loss))  # kept to the end, as a script keeps its last model and loss
+for model, _, _ in models:
+    model.average()  # the replicas agree at the end (and async's thread stops exchanging)
 if mode == "shutdown":
     unison.shutdown()
     report("after shutdown")

@@ -252,6 +252,16 @@ class AveragingThread(threading.Thread):
 _live: "weakref.WeakSet[AveragingThread]" = weakref.WeakSet()
 
 
+def _exchanging() -> bool:
+    """Whether a thread still exchanges rounds: ``unison.shutdown()`` then keeps every wrapper and
+    group as they are (stopping the thread would tell the others to stop too, silently; a peer that
+    trains on must see this process leave, and fail)."""
+    return any(t.is_alive() for t in list(_live))
+
+
+comm.ending.in_flight.append(_exchanging)
+
+
 @atexit.register
 def _stop_at_exit() -> None:
     """At interpreter exit, send "stop" from every running thread so the other ranks' threads stop too."""

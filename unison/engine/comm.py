@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime import member
+from ..runtime import ending, member
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from ..runtime.launch import wire_device  # noqa: F401  (re-exported)
 from .buckets import MB
@@ -39,6 +39,15 @@ def _release_completed() -> None:
             live = [w for w in _recent_works if not w.is_completed()]
             _recent_works.clear()
             _recent_works.extend(live)
+
+
+def _any_in_flight() -> bool:
+    """Whether a work unison started has not completed (the job's end then keeps its groups)."""
+    with _works_lock:
+        return any(not w.is_completed() for w in _recent_works)
+
+
+ending.in_flight.append(_any_in_flight)
 
 
 def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

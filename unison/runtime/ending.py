@@ -13,8 +13,8 @@ and torch hold to every group, on the main thread, before the interpreter finali
 
 The references, and where each is let go of:
 
-- each ``DataParallel`` (its group, step group, Replica and engine): it hands ``hold()`` the method
-  that lets go of them (no collective, no thread left), which ``end()`` calls;
+- each ``DataParallel`` (its group, step group, Replica and engine): it hands ``hold()`` the methods
+  that release it (no collective, no thread left) and let go of its groups, which ``end()`` calls;
 - the Topology ``init()`` returned (which the script keeps): held too, its groups cleared;
 - unison's private groups and torch's own maps: ``forget_private_groups()`` and
   ``destroy_process_group()``;
@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
+import time
 import weakref
 from typing import Callable
 
@@ -41,16 +42,21 @@ import torch.distributed.nn.functional as _dist_nn_functional
 
 from . import health, member
 
-_holders: list[weakref.WeakMethod] = []
+_holders: list[tuple[weakref.WeakMethod, weakref.WeakMethod]] = []
 _held = False  # whether unison held a group in this process (at exit, a job that never used it is left alone)
+#: Callables that say whether a collective unison started has not completed (the engine's works).
+in_flight: list[Callable[[], bool]] = []
+#: How long the end waits for the collectives in flight to complete.
+SETTLE_S = 2.0
 
 
-def hold(let_go: Callable[[], None]) -> None:
-    """The object of the bound method ``let_go`` keeps process groups until ``end()`` calls it
-    (held weakly: an object collected before has let go of them already)."""
+def hold(release: Callable[[], None], let_go: Callable[[], None]) -> None:
+    """The object of the bound methods keeps process groups: ``end()`` calls ``release`` (stop its
+    threads, no collective), then ``let_go`` (drop its groups). Held weakly: an object collected
+    before has let go of them already."""
     global _held
-    _holders[:] = [ref for ref in _holders if ref() is not None]
-    _holders.append(weakref.WeakMethod(let_go))
+    _holders[:] = [refs for refs in _holders if refs[0]() is not None]
+    _holders.append((weakref.WeakMethod(release), weakref.WeakMethod(let_go)))
     _held = True
 
 
@@ -62,24 +68,45 @@ def _unbind_torch_defaults() -> None:
             fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
+def _settled() -> bool:
+    """Whether every collective unison started has completed, waiting up to SETTLE_S for it."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(busy() for busy in in_flight):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def end() -> None:
-    """Let go of every process group unison holds, destroy torch's, and collect what is left, so
-    the groups' destructors join their threads now (``unison.shutdown()`` calls it)."""
+    """Release every wrapper, let go of every process group unison holds, destroy torch's, and
+    collect what is left, so the groups' destructors join their threads now (``unison.shutdown()``
+    calls it).
+
+    A collective still in flight after SETTLE_S (an algorithm's thread still exchanging, as
+    ``async`` does until ``average()``; a peer that goes on training) would make a group's
+    destructor wait for it, up to the collective timeout, and a peer that trains on must see this
+    process leave: then nothing is released, the groups are kept, as ``destroy_process_group()``
+    alone keeps them, and the process ends without a wait."""
     from .groups import forget_private_groups
     from .launch import forget_topology
 
-    holders = [ref() for ref in _holders]
+    holders = [(release(), let_go()) for release, let_go in _holders]
     _holders.clear()
-    for let_go in holders:
-        if let_go is not None:
-            let_go()
+    settled = _settled()
+    if settled:
+        for release, let_go in holders:
+            if release is not None and let_go is not None:
+                release()
+                let_go()
     forget_topology()
     forget_private_groups()
     health.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _unbind_torch_defaults()
-    gc.collect()  # a wrapper dropped in a reference cycle still holds its groups until collected
+    if settled:
+        _unbind_torch_defaults()
+        gc.collect()  # a wrapper dropped in a reference cycle still holds its groups until collected
 
 
 def _at_exit() -> None:
