@@ -96,15 +96,6 @@ def net() -> nn.Module:
     return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(256, 256), nn.ReLU())][:-1])
 
 
-def freeze_what_is_there() -> None:
-    """Move every object alive now (torch's, torch._dynamo's and unison's modules, the process group)
-    to the garbage collector's permanent generation: the collections and the walks of
-    ``live_tensor_bytes`` then skip them (they were most of the time of a measurement), and the
-    tensors every measurement counts are those made since, on both sides of its difference."""
-    gc.collect()
-    gc.freeze()
-
-
 def train(spec: str | None, adam: bool) -> tuple[float, int]:
     """Live tensor bytes after ``STEPS`` steps of ``spec`` (None: local training) over before, and P."""
     rank = dist.get_rank()
@@ -146,7 +137,6 @@ def train(spec: str | None, adam: bool) -> tuple[float, int]:
 
 def overheads(specs: list[str]) -> dict[str, float]:
     """Each algorithm's live tensors over local training's, in P (the larger of the ranks')."""
-    freeze_what_is_there()
     local = {adam: train(None, adam)[0] for adam in (False, True)}
     out = {}
     for spec in specs:
@@ -239,8 +229,7 @@ FT_BUDGET = {
 
 def test_fault_tolerance_keeps_one_copy_of_the_gradients_at_most(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "ft_memory.py"
-    # Workers forked from a template that imported torch once (the budgets are differences within a process)
-    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", "--no-status", *launch.PRELOAD]
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", "--no-status"]
     done = subprocess.run(
         [*cmd, str(script), str(tmp_path), *FT_BUDGET],
         capture_output=True,

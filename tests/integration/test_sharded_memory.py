@@ -96,8 +96,6 @@ def train(mesh, spec: str | None) -> tuple[int, int]:
 def overheads(specs: list[str]) -> dict[str, float]:
     """FSDP2 alone in local P (``"fsdp2"``), and each algorithm's live tensors beyond it (the largest rank's)."""
     mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
-    gc.collect()
-    gc.freeze()  # as test_memory.py does: each measurement's collections and walks skip what is here now
     alone, local_p = train(mesh, None)
     out = {"fsdp2": alone / local_p}
     for spec in specs:

@@ -76,8 +76,6 @@ def main() -> None:
     unison.init(backend="gloo" if DEVICE.type == "cuda" else None)
     rank = int(os.environ.get("UNISON_FT_ID", "0"))
     p = parameter_bytes(net())
-    gc.collect()
-    gc.freeze()  # as test_memory.py does: each measurement's collections and walks skip what is here now
     local, _, _ = train(None, rank)
     overheads, weights, on_host = {}, {}, {}
     for spec in specs:
