@@ -10,6 +10,7 @@ torchrun-style, loses a rank mid-training. The checks compare what each rank wro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the Lightning integration's tests need lightning (pip install -e '.[test]')")
+# Found, not imported: only the runs import it (importing it here cost each pytest worker seconds at collection).
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("the Lightning integration's tests need lightning (pip install -e '.[test]')", allow_module_level=True)
 
 import unison  # noqa: E402
 
