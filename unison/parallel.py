@@ -277,7 +277,7 @@ class DataParallel(nn.Module):
         # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
         self._finalizer = weakref.finalize(self, self._core.release)
         if self.process_group is not None:
-            ending.hold(self._release, self._let_go_of_groups)  # the job's end (runtime/ending.py)
+            ending.hold(self._let_go_of_groups, self._release)  # the job's end (runtime/ending.py)
         # Fault tolerance: a joiner takes the members' state (at the job's start, rank 0's), and a
         # member lost while the algorithm builds its groups is recovered from.
         self._core.fault.start(self._start_algorithm)

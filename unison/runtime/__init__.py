@@ -24,10 +24,10 @@ from .launch import (
 
 
 def shutdown() -> None:
-    """End the job: every wrapper closed (no collective), the process group started by ``init()``
-    destroyed, the topology and unison's groups forgotten, and every group's threads joined
-    (``ending``: without them nothing of torch's can run when the interpreter finalizes).
-    Called at exit when the script did not."""
+    """End the job: the process group started by ``init()`` destroyed, the topology and unison's
+    groups forgotten and, when no collective is in flight, every wrapper released (no collective)
+    and every group's threads joined (``ending``: a gloo thread alive when the interpreter
+    finalizes can abort the process). Called at exit when the script did not."""
     ending.end()
 
 

@@ -33,7 +33,7 @@ import gc
 import sys
 import time
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -42,7 +42,7 @@ import torch.distributed.nn.functional as _dist_nn_functional
 
 from . import health, member
 
-_holders: list[tuple[weakref.WeakMethod, weakref.WeakMethod]] = []
+_holders: list[tuple[weakref.WeakMethod, Optional[weakref.WeakMethod]]] = []
 _held = False  # whether unison held a group in this process (at exit, a job that never used it is left alone)
 #: Callables that say whether a collective unison started has not completed (the engine's works).
 in_flight: list[Callable[[], bool]] = []
@@ -50,13 +50,13 @@ in_flight: list[Callable[[], bool]] = []
 SETTLE_S = 2.0
 
 
-def hold(release: Callable[[], None], let_go: Callable[[], None]) -> None:
-    """The object of the bound methods keeps process groups: ``end()`` calls ``release`` (stop its
-    threads, no collective), then ``let_go`` (drop its groups). Held weakly: an object collected
-    before has let go of them already."""
+def hold(let_go: Callable[[], None], release: Optional[Callable[[], None]] = None) -> None:
+    """The object of the bound methods keeps process groups: ``end()`` calls ``release`` if given
+    (stop its threads, no collective), then ``let_go`` (drop its groups). Held weakly: an object
+    collected before has let go of them already."""
     global _held
     _holders[:] = [refs for refs in _holders if refs[0]() is not None]
-    _holders.append((weakref.WeakMethod(release), weakref.WeakMethod(let_go)))
+    _holders.append((weakref.WeakMethod(let_go), weakref.WeakMethod(release) if release is not None else None))
     _held = True
 
 
@@ -91,13 +91,16 @@ def end() -> None:
     from .groups import forget_private_groups
     from .launch import forget_topology
 
-    holders = [(release(), let_go()) for release, let_go in _holders]
+    global _held
+    holders = [(let_go(), release() if release is not None else None) for let_go, release in _holders]
     _holders.clear()
+    _held = False  # ended: the exit has nothing more to do, unless the script starts again
     settled = _settled()
     if settled:
-        for release, let_go in holders:
-            if release is not None and let_go is not None:
-                release()
+        for let_go, release in holders:
+            if let_go is not None:
+                if release is not None:
+                    release()
                 let_go()
     forget_topology()
     forget_private_groups()

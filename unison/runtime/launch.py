@@ -155,9 +155,6 @@ class Topology:
     #: Every rank's local world size, in rank order (empty when unknown: a world of one).
     local_sizes: tuple = field(default=(), repr=False)
 
-    def keep_groups(self) -> None:
-        """Nothing to stop before its groups go (``ending.hold``'s release)."""
-
     def let_go_of_groups(self) -> None:
         """The job ended (``unison.shutdown()``): drop the groups, keep who this process was."""
         self.world_group = self.intra_node_group = self.inter_node_group = None
@@ -414,7 +411,7 @@ def init(
         topo.backend,
     )
     _topology = topo
-    ending.hold(topo.keep_groups, topo.let_go_of_groups)
+    ending.hold(topo.let_go_of_groups)
     return topo
 
 
