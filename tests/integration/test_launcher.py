@@ -303,3 +303,18 @@ def test_a_status_port_in_use_is_refused_with_what_to_do(tmp_path):
     assert f"the status page cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "--no-status" in done.stderr
     assert list(tmp_path.glob("pid-*")) == []  # no worker was started
+
+
+def test_the_coordinator_leaves_no_thread_inside_the_store_when_it_ends(tmp_path):
+    """A thread blocked in the store when the interpreter ends aborts the launcher ("terminate
+    called", exit -6, seen after a start-up failure): the inbox's thread is woken and joined
+    before ``run`` returns, and no thread waits on ``ft/abort`` (the loop looks for it)."""
+    from unison.runtime import coordinator
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise SystemExit(5)  # before unison.init(): a start-up failure\n")
+    settings = coordinator.Settings(nproc=1, status_port=None, max_start_failures=1)
+    boss = coordinator.Coordinator(settings, [sys.executable, str(broken)], 0, host="127.0.0.1")
+    assert boss.run() == 1
+    left = [t.name for t in threading.enumerate() if t.name.startswith("unison-coordinator")]
+    assert not left, left

@@ -69,8 +69,8 @@ import unison
 import unison.optim
 from unison.algorithms.gradient.allreduce import AllReduce
 from unison.engine import comm
+from unison.runtime import ending, member
 from unison.runtime import launch as launch_module
-from unison.runtime import member
 from unison.sharded import local  # a tensor's values on this process: its local shard if FSDP2 sharded it
 
 PAD_MOD = 9973
@@ -168,6 +168,10 @@ def at(text):
 
 
 def main() -> None:
+    # The ledger's processes are the tests' own, run some 150 times a suite: their end skips the
+    # interpreter's last cycle collections (about 1 s of CPU each). The ordinary end of a script is
+    # tested by test_exit, test_launcher, test_examples and benchmarks/stress_exit.py.
+    ending.quick_exit()
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)

@@ -18,6 +18,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .. import algorithms
+from ..runtime import ending
 from . import logs
 from .argtypes import algorithm, non_negative_int, positive_float, positive_int
 
@@ -242,7 +243,12 @@ def write_json(path: str, summary: dict[str, Any]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse ``argv`` (default: the command line), run the command and return its exit code."""
+    """Parse ``argv`` (default: the command line), run the command and return its exit code.
+
+    Run as the program (``argv`` None: the ``unison`` console script, ``python -m unison``), the
+    process is unison's own and ends quickly (``ending.quick_exit``)."""
+    if argv is None:
+        ending.quick_exit()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

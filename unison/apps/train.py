@@ -31,6 +31,7 @@ from torch import nn
 
 import unison
 from unison import algorithms
+from unison.runtime import ending
 
 from .workloads.digits import Digits, load_data  # noqa: F401  (the job's data)
 
@@ -237,6 +238,7 @@ def worker(config: TrainConfig) -> Optional[dict[str, Any]]:
     Started by ``launch`` through torch's elastic launcher, whose environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) ``unison.init`` reads.
     """
+    ending.quick_exit()  # the process is unison's own
     topo = unison.init()
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))

@@ -31,7 +31,7 @@ from torch import nn
 import unison
 from unison import algorithms
 from unison.fault import check_supported
-from unison.runtime import coordinator
+from unison.runtime import coordinator, ending
 
 from . import logs
 from .train import TrainConfig, accuracy, build_model, build_optimizer
@@ -344,6 +344,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """A worker's entry point: ``python -m unison.apps.train_ft JOB.json``; its log records (the
     epochs on rank 0, the library's) go to stderr as ``unison``'s do (``logs.install``)."""
     (path,) = sys.argv[1:] if argv is None else argv
+    ending.quick_exit()  # the process is unison's own
     logs.install()
     with open(path) as f:
         job = json.load(f)

@@ -11,7 +11,8 @@ and every wait on them blocks in the store instead of polling:
 
 - ``ft/inbox/<k>``: a message to the coordinator (JSON: a worker's ``join`` with its pid, host,
   process start time and node, ``done``, ``leave``, or an agent's ``exit`` of a worker), k from
-  the counter ``ft/inbox``; a thread of the coordinator waits on the next one and deletes it once read;
+  the counter ``ft/inbox``; a thread of the coordinator waits on the next one and deletes it once read
+  (at the end, the coordinator writes the key it waits on itself, and joins it);
 - ``ft/hb/<id>``: a counter the worker bumps every ``member.HEARTBEAT_S``; the coordinator reads
   every member's in one ``multi_get`` every ``BEAT_LOOK_S``;
 - ``ft/members/<e>``: membership ``e`` as JSON (members, their nodes, joiners, reason), then
@@ -24,7 +25,8 @@ and every wait on them blocks in the store instead of polling:
 - ``ft/node/<n>/failed``: node n was taken out (its agent stops its processes);
 - ``ft/abort``: why the job cannot go on (workers raise ``RankFailure``); set by the coordinator
   (too few members, start-up failures, a stop signal) or by a worker (the job's state is lost),
-  then nobody is respawned and every joined worker's bell is rung;
+  then nobody is respawned and every joined worker's bell is rung; the coordinator looks for it
+  with the heartbeats (no thread of its waits on it);
 - ``ft/step``: the committed step, when a worker writes it; only the status page reads it.
 
 Keys no longer needed are deleted: inbox messages once read, the heartbeats of ended workers,
@@ -263,23 +265,32 @@ class Coordinator:
         self.lock = threading.Lock()  # the loop's changes against status()
         self._beats_looked = time.monotonic()  # when the heartbeats were last read
         self.watch = 0.0  # seconds of the workers' silence counted so far (LATE_S at most a look)
-        # Messages and ft/abort come through threads blocked in the store, each on a client of its own.
+        # Messages come through a thread blocked in the store on a client of its own; ``ft/abort``
+        # is looked for with the heartbeats. The thread is woken and joined at the end (``_close_inbox``):
+        # a thread inside the store when the interpreter ends aborts the launcher ("terminate called").
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._abort_seen: Optional[str] = None
-        for name, target in (("inbox", self._read_inbox), ("abort", self._wait_abort)):
-            client = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
-            threading.Thread(target=target, args=(client,), name=f"unison-coordinator-{name}", daemon=True).start()
+        self._inbox_key = "ft/inbox/1"  # the key the thread waits on
+        self._inbox_closing = False
+        client = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+        self._inbox_thread = threading.Thread(
+            target=self._read_inbox, args=(client,), name="unison-coordinator-inbox", daemon=True
+        )
         # Workers forked from a template (``--preload``): it imports while ``run`` gets going.
         self.template = Template(settings.preload) if settings.preload and self.command else None
+        self._inbox_thread.start()  # last: a constructor that raised leaves no thread in the store
 
     # ---- the store's messages ------------------------------------------------------------
     def _read_inbox(self, client: dist.TCPStore) -> None:
-        """Wait for each message ``ft/inbox/<k>`` in turn, hand it to the loop, delete it."""
+        """Wait for each message ``ft/inbox/<k>`` in turn, hand it to the loop, delete it; return
+        once ``_close_inbox`` has woken it."""
         k = 1
-        while True:
-            key = f"ft/inbox/{k}"
+        while not self._inbox_closing:
+            key = self._inbox_key = f"ft/inbox/{k}"
             try:
                 client.wait([key], WATCH_WAIT)
+                if self._inbox_closing:
+                    return
                 self._inbox.put(json.loads(client.get(key)))
                 client.delete_key(key)
             except dist.DistStoreError:
@@ -288,17 +299,19 @@ class Coordinator:
                 return
             k += 1
 
-    def _wait_abort(self, client: dist.TCPStore) -> None:
-        """Wait for ``ft/abort`` (a worker found the job cannot go on)."""
-        while True:
+    def _close_inbox(self) -> None:
+        """Wake the inbox's thread (its key written, whoever was to write it) and join it, so that
+        no thread is inside the store when the interpreter ends."""
+        self._inbox_closing = True
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self._inbox_thread.is_alive() and time.monotonic() < deadline:
+            key = self._inbox_key
             try:
-                client.wait(["ft/abort"], WATCH_WAIT)
-                self._abort_seen = client.get("ft/abort").decode()
-                return
-            except dist.DistStoreError:
-                continue
-            except Exception:
-                return
+                if not self.store.check([key]):
+                    self.store.set(key, "{}")
+            except Exception:  # the store failed: the thread's wait fails with it
+                pass
+            self._inbox_thread.join(0.05)
 
     # ---- workers -------------------------------------------------------------------
     def spawn_node(self) -> list[Worker]:
@@ -436,8 +449,10 @@ class Coordinator:
     def _look_at_beats(self, now: float, reasons: list[str]) -> None:
         """Read every joined worker's heartbeat in one ``multi_get``: one that stood still for
         ``stale_s`` (counted on ``watch``) is evicted with its node, unless its process runs
-        (``_runs``): that one is slow, and evicted after ``SLOW_S``. Look for ``ft/rebuild/<epoch>`` too."""
+        (``_runs``): that one is slow, and evicted after ``SLOW_S``. Look for ``ft/abort`` and ``ft/rebuild/<epoch>`` too."""
         watched = [w for w in self.workers.values() if w.state in ("waiting", "member")]
+        if self._abort_seen is None and self.store.check(["ft/abort"]):  # a worker found the job cannot go on
+            self._abort_seen = self.store.get("ft/abort").decode()
         if self.epoch and self.store.check([f"ft/rebuild/{self.epoch}"]):  # a member could not build its group
             reasons.append(f"the group of epoch {self.epoch} could not be built")
         if not watched:
@@ -759,6 +774,7 @@ class Coordinator:
                 signal.signal(sig, handler)
             if self.page is not None:
                 self.page.close()
+            self._close_inbox()
 
     def _loop(self) -> None:
         """Look at workers and keys until the job is over, given up, or told to stop."""

@@ -112,12 +112,30 @@ def end() -> None:
         gc.collect()  # a wrapper dropped in a reference cycle still holds its groups until collected
 
 
+_quick = False  # this process runs only unison's code: its end skips the last cycle collections
+
+
+def quick_exit() -> None:
+    """Say that this process runs only unison's own code (``unison launch`` and its coordinator and
+    agents, ``unison train``'s workers, ``python -m unison``): once the job has ended at exit, the
+    objects left are frozen (``gc.freeze()``), so that the interpreter's finalization does not walk
+    torch's hundreds of thousands of objects for cycles, several times over: 0.5-1.5 s of CPU a
+    process, which each launch paid once per process. What a collection would still find then is
+    unison's and torch's, and the process is about to end; a user's script never calls this (a
+    cycle holding their open file would not be flushed)."""
+    global _quick
+    _quick = True
+
+
 def _at_exit() -> None:
     """The script ended without ``unison.shutdown()``: end the job as it would have, unless an
     uncaught exception ended it (a peer may be gone; the groups then go as torch lets them) or a
-    Member runs the membership (it ends its own groups)."""
+    Member runs the membership (it ends its own groups). Then, in unison's own processes
+    (``quick_exit``), freeze what is left."""
     if _held and not hasattr(sys, "last_value") and member.active() is None:
         end()
+    if _quick:
+        gc.freeze()
 
 
 # Registered at import, before health's and the Member's handlers: atexit runs it after them.
