@@ -231,6 +231,20 @@ class Coordinator:
                 f"{settings.procs_per_node}"
             )
         self.settings, self.command = settings, list(command or [])
+        # Workers forked from a template (``--preload``): made first, so that it is forked from this
+        # process before the store starts its threads (``Template``); it imports while ``run`` gets going.
+        template = Template(settings.preload) if settings.preload and self.command else None
+        self.template = template  # (a worker forked from it leaves Template() by SystemExit: no handler here)
+        try:
+            self._serve(host, port)
+        except BaseException:
+            if template is not None:
+                template.close()
+            raise
+
+    def _serve(self, host: str, port: int) -> None:
+        """The store, the status page, the state of the job and the inbox's thread (``__init__``)."""
+        settings = self.settings
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self.host, self.port = host, self.store.port  # the port bound (the OS's choice when asked for 0)
         self.hostname = socket.gethostname()  # a worker whose join names it runs on this machine
@@ -276,8 +290,6 @@ class Coordinator:
         self._inbox_thread = threading.Thread(
             target=self._read_inbox, args=(client,), name="unison-coordinator-inbox", daemon=True
         )
-        # Workers forked from a template (``--preload``): it imports while ``run`` gets going.
-        self.template = Template(settings.preload) if settings.preload and self.command else None
         self._inbox_thread.start()  # last: a constructor that raised leaves no thread in the store
 
     # ---- the store's messages ------------------------------------------------------------

@@ -115,16 +115,17 @@ def end() -> None:
 _quick = False  # this process runs only unison's code: its end skips the last cycle collections
 
 
-def quick_exit() -> None:
+def quick_exit(quick: bool = True) -> None:
     """Say that this process runs only unison's own code (``unison launch`` and its coordinator and
     agents, ``unison train``'s workers, ``python -m unison``): once the job has ended at exit, the
     objects left are frozen (``gc.freeze()``), so that the interpreter's finalization does not walk
     torch's hundreds of thousands of objects for cycles, several times over: 0.5-1.5 s of CPU a
     process, which each launch paid once per process. What a collection would still find then is
     unison's and torch's, and the process is about to end; a user's script never calls this (a
-    cycle holding their open file would not be flushed)."""
+    cycle holding their open file would not be flushed). ``quick_exit(False)`` takes it back (a
+    process forked from a launcher to run a user's script)."""
     global _quick
-    _quick = True
+    _quick = quick
 
 
 def _at_exit() -> None:

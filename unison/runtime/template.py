@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import runpy
 import select
@@ -194,6 +195,75 @@ def serve(sock: socket.socket, modules: Sequence[str]) -> None:
 # ---- the launcher's side ----------------------------------------------------------------------
 
 
+def _one_thread() -> bool:
+    """Whether this process runs one thread of Python and no thread of a store or a group (the
+    thread torch starts at its import aside): then a fork of it is as sound as a DataLoader's."""
+    if threading.active_count() > 1:
+        return False
+    try:
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: start a fresh interpreter
+        return False
+    return len(names) <= 2
+
+
+def _forked_template(ours: socket.socket, theirs: socket.socket, modules: Sequence[str]) -> NoReturn:
+    """In the template forked from the launcher: torch and unison are imported already (the
+    launcher's own imports, about 2 s of CPU a launch saved). What the launcher set for itself is
+    put back as a fresh interpreter has it (its log handler, its quick end), then ``main``, which
+    ends the template with ``os._exit``. A worker forked from it leaves by ``SystemExit`` (its
+    script's status), up through the launcher's frames, none of which catches it, to the
+    interpreter's usual end."""
+    template = os.getpid()
+    try:
+        ours.close()
+        os.setsid()
+        logger = logging.getLogger("unison")
+        for handler in [h for h in logger.handlers if getattr(h, "unison_cli", False)]:
+            logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+        from . import ending
+
+        ending.quick_exit(False)
+        # Detached: the launcher's frames (a worker's too) keep this object, which would close the
+        # descriptor's number again when they are freed, by then another socket's (the store's).
+        main(theirs.detach(), modules)
+    finally:
+        if os.getpid() == template:  # the template itself: an error of its own
+            os._exit(1)
+
+
+class _ForkedTemplate:
+    """The template forked from the launcher, with the face of ``subprocess.Popen`` that
+    ``Template`` uses: ``poll()``, ``wait(timeout)`` and ``kill()``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("the --preload template", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Forked:
     """A worker forked by the template, with the face of ``subprocess.Popen`` that the
     coordinator uses: ``pid``, ``stderr`` (the read end of its stderr), ``returncode``,
@@ -244,12 +314,19 @@ class Template:
     def __init__(self, modules: Sequence[str]) -> None:
         self.modules = list(modules)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = "import sys; from unison.runtime import template; template.main(int(sys.argv[1]), sys.argv[2:])"
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), *self.modules],
-            pass_fds=[theirs.fileno()],
-            start_new_session=True,
-        )
+        self.process: Any
+        if _one_thread():  # the launcher before its store: the template is forked from it
+            pid = os.fork()
+            if pid == 0:
+                _forked_template(ours, theirs, self.modules)
+            self.process = _ForkedTemplate(pid)
+        else:
+            code = "import sys; from unison.runtime import template; template.main(int(sys.argv[1]), sys.argv[2:])"
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, str(theirs.fileno()), *self.modules],
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+            )
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()  # one fork at a time
