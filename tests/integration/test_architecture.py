@@ -18,18 +18,23 @@ from tests.models import MLP, batch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "unison"
 ALGORITHMS = PACKAGE / "algorithms"
-# Lower layers first; a module may import only from its own layer or lower ones.
+# Lower layers first; a module may import only from its own layer or lower ones. Every module of
+# unison/ is in one (test_every_module_has_a_layer): the package's own __init__ (the public API) and
+# __main__ (the command line) sit above them all.
 LAYERS = [
     "runtime",
+    "data",
     "ddp_keywords",
     "comm_hook",
     "memory",
     "engine",
+    "sharded",
     "hooks",
     "replica",
     "algorithms",
     "events",
     "core",
+    "pickling",
     "fault",
     "debug",
     "join",
@@ -41,18 +46,38 @@ LAYERS = [
     "integrations",
     "apps",
 ]
+TOPS = {"unison", "unison.__main__"}
 # The one import upwards: unison.algorithms.create reads the seeds' names for options from a
 # table kept with the compat layers (whose business they are); the table is data importing
 # nothing (test_the_upward_import_is_data), so no cycle and no behaviour comes up with it.
 UPWARD = {"unison.compat.aliases"}
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """The unison modules ``path`` imports (absolute names)."""
-    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+def _name(path: pathlib.Path) -> str:
+    """The module's absolute name (a package's ``__init__.py``: the package's)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: pathlib.Path, type_checking: bool = True) -> set[str]:
+    """The unison modules ``path`` imports (absolute names; ``from a import b`` is ``a.b`` where
+    that is a module), those inside functions included; without ``type_checking``, not those
+    under ``if TYPE_CHECKING:`` (annotations only: nothing runs them)."""
+    module = _name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    if not type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip.update(id(n) for part in node.body for n in ast.walk(part))
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -60,7 +85,7 @@ def _imports(path: pathlib.Path) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            out.update(f"{name}.{a.name}" if not node.module else name for a in node.names)  # `from . import x`: x
+            out.update(f"{name}.{a.name}" if f"{name}.{a.name}" in MODULES else name for a in node.names)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {n for n in out if n == "unison" or n.startswith("unison.")}
@@ -69,6 +94,43 @@ def _imports(path: pathlib.Path) -> set[str]:
 def _layer(module: str) -> int:
     parts = module.split(".")
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
+
+
+def test_every_module_has_a_layer():
+    """A module added outside LAYERS would escape every check below."""
+    assert [m for m in MODULES if m not in TOPS and _layer(m) < 0] == []
+    assert set(LAYERS) <= {m.split(".")[1] for m in MODULES if m not in TOPS}, "a layer no module is in"
+
+
+def test_no_import_cycles():
+    """No circle of imports, counting those inside functions (they run too, later): a module
+    found on a path back to itself is named with the circle (Tarjan's strongly connected
+    components of the import graph)."""
+    graph = {m: {n for n in _imports(p, type_checking=False) if n in MODULES and n != m} for m, p in MODULES.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
 
 
 def test_algorithms_reach_nothing_but_the_replica():
@@ -201,3 +263,76 @@ def test_algorithms_are_laid_out_by_family():
     for name in unison.algorithms.names():
         module = unison.algorithms.get(name).__module__.split(".")
         assert module[:2] == ["unison", "algorithms"] and module[2] in FAMILIES, (name, module)
+
+
+#: The two maps of the package, each the ``text`` block after its heading.
+MAPS = {"docs/architecture.md": "## Layers", "CONTRIBUTING.md": "## The layout"}
+_ENTRY = re.compile(r"([\w.]+(?:/|\.py))(?:,\s*|\s|$)")
+
+
+def _map(doc: str, heading: str) -> dict[tuple[str, ...], set[str]]:
+    """The map's entries under ``unison/``: each path (folders end with ``/``) with the words of its
+    description (its line and the lines continuing it). A line is an entry where it names files or
+    folders at its parent's indentation plus two; any other line continues the entry above."""
+    text = (ROOT / doc).read_text()
+    block = text[text.index(heading) :]
+    block = block[block.index("```text\n") + 8 :]
+    block = block[: block.index("```")]
+    entries: dict[tuple[str, ...], set[str]] = {}
+    stack: list[tuple[int, tuple[str, ...]]] = []  # (indentation, path) of the open entries
+    last: list[tuple[str, ...]] = []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        names = []
+        rest = line.strip()
+        while (m := _ENTRY.match(rest)) is not None and (not names or line.strip().startswith(names[0])):
+            names.append(m.group(1))
+            rest = rest[m.end() :]
+        child = not stack or indent <= stack[-1][0] + 2
+        if names and child:
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            parent = stack[-1][1] if stack else ()
+            last = [parent + (name,) for name in names]
+            for path in last:
+                entries[path] = set()
+            if names[-1].endswith("/"):
+                stack.append((indent, last[-1]))
+            rest_words = rest
+        else:
+            rest_words = line
+        for path in last:
+            entries[path] |= set(re.findall(r"\w+", rest_words))
+    return {path[1:]: words for path, words in entries.items() if path[0] == "unison/"}
+
+
+def _named(module: str, entries: dict[tuple[str, ...], set[str]]) -> bool:
+    """Whether the map names ``module``: as an entry (``stem.py``, or ``stem/`` for a package), or as
+    a word of the deepest entry of its folders the map has."""
+    parts = module.split(".")[1:]
+    *folders, stem = parts if parts else ["__init__"]
+    if module == "unison":
+        return ("__init__.py",) in entries
+    place = tuple(f"{f}/" for f in folders)
+    if (*place, f"{stem}.py") in entries or (*place, f"{stem}/") in entries:
+        return True
+    for depth in range(len(folders), 0, -1):
+        place = tuple(f"{f}/" for f in folders[:depth])
+        if place in entries:
+            return stem in entries[place] or (depth < len(folders) and folders[depth] in entries[place])
+    return False
+
+
+def test_the_maps_name_every_module_and_no_other():
+    """docs/architecture.md and CONTRIBUTING.md: a module added, moved or removed without them fails."""
+    for doc, heading in MAPS.items():
+        entries = _map(doc, heading)
+        assert [m for m in sorted(MODULES) if m != "unison.__main__" and not _named(m, entries)] == [], doc
+        on_disk = {tuple(p.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*.py")}
+        folders = {tuple(p.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*") if p.is_dir()}
+        stale = []
+        for path in entries:
+            there = on_disk if path and path[-1].endswith(".py") else folders
+            if path and tuple(p.rstrip("/") for p in path) not in there:
+                stale.append("/".join(path))
+        assert stale == [], f"{doc} names what is not there"

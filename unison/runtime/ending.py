@@ -46,6 +46,10 @@ _holders: list[tuple[weakref.WeakMethod, Optional[weakref.WeakMethod]]] = []
 _held = False  # whether unison held a group in this process (at exit, a job that never used it is left alone)
 #: Callables that say whether a collective unison started has not completed (the engine's works).
 in_flight: list[Callable[[], bool]] = []
+#: What ``end()`` makes unison forget, in order: the Topology ``init()`` made and the private groups
+#: (``launch.forget_topology``, ``groups.forget_private_groups``, registered as they are imported:
+#: this module imports neither, which import it).
+forgets: list[Callable[[], object]] = []
 #: How long the end waits for the collectives in flight to complete.
 SETTLE_S = 2.0
 
@@ -88,9 +92,6 @@ def end() -> None:
     destructor wait for it, up to the collective timeout, and a peer that trains on must see this
     process leave: then nothing is released, the groups are kept, as ``destroy_process_group()``
     alone keeps them, and the process ends without a wait."""
-    from .groups import forget_private_groups
-    from .launch import forget_topology
-
     global _held
     holders = [(let_go(), release() if release is not None else None) for let_go, release in _holders]
     _holders.clear()
@@ -102,8 +103,8 @@ def end() -> None:
                 if release is not None:
                     release()
                 let_go()
-    forget_topology()
-    forget_private_groups()
+    for forget in forgets:
+        forget()
     health.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

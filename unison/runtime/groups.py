@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import member
+from . import ending, member
 from .launch import collective_timeout
 
 
@@ -58,3 +58,6 @@ def forget_private_groups() -> list[dist.ProcessGroup]:
     groups = [g for g in _private_groups.values() if g is not None]
     _private_groups.clear()
     return groups
+
+
+ending.forgets.append(forget_private_groups)

@@ -506,3 +506,6 @@ def forget_topology() -> None:
     global _topology
     _topology = None
     _node_meshes.clear()
+
+
+ending.forgets.append(forget_topology)
