@@ -94,7 +94,7 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
 
 
 def joining_member(
-    fault_tolerant: bool, algorithm: Any, process_group: Optional[dist.ProcessGroup], optimizer: Any
+    fault_tolerant: bool, algorithm: algos.Algorithm[Any], process_group: Optional[dist.ProcessGroup], optimizer: Any
 ) -> Optional[Member]:
     """This worker's Member when ``fault_tolerant`` is asked for and can be given (None when it is
     not asked for); raises, before anything is built, when it cannot be."""
@@ -106,7 +106,7 @@ def joining_member(
             "fault_tolerant=True needs the job started by `unison launch --fault-tolerant --nproc N script.py` "
             "(or served by `unison coordinator`), and unison.init() called before the model is wrapped"
         )
-    check_supported(algos.as_algorithm(algorithm), process_group)
+    check_supported(algorithm, process_group)
     if optimizer is None:
         raise ValueError("fault_tolerant=True needs optimizer=: its steps are the ones committed and healed")
     return worker

@@ -170,6 +170,7 @@ class DataParallel(nn.Module):
             module = module.__dict__["_modules"]["module"]  # a restored wrapper wrapped again: its module
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
+        algorithm = algos.as_algorithm(algorithm)  # resolved once: the instance every check and the Core see
         group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
         # Sharded over unison.node_mesh(): the replicas are the processes of this local rank on every node.
         on_nodes = group is None and sharded.on_node_mesh(module)
@@ -209,11 +210,7 @@ class DataParallel(nn.Module):
                 custom = "reduce_function" if reduce_function is not None else None
                 custom = "broadcast_function" if broadcast_function is not None else custom
                 sharded.refuse(
-                    algos.as_algorithm(algorithm),
-                    fault_tolerant=fault_tolerant,
-                    nonfinite=nonfinite,
-                    debug=bool(debug),
-                    custom=custom,
+                    algorithm, fault_tolerant=fault_tolerant, nonfinite=nonfinite, debug=bool(debug), custom=custom
                 )
             device_ids, output_device = ddp_keywords.check_module(
                 module, torch_keywords.device_ids, torch_keywords.output_device
@@ -252,7 +249,7 @@ class DataParallel(nn.Module):
         # Over FSDP2 the algorithm trains the local shards, talking across the replicate dimension.
         named, requires_grad = sharded.local_parameters(module) if fsdp2 else (list(module.named_parameters()), None)
         self._core = Core(
-            algos.as_algorithm(algorithm),
+            algorithm,
             named,
             list(module.named_buffers()),
             self.process_group,
