@@ -21,6 +21,7 @@ from .. import algorithms
 from ..runtime import ending
 from . import logs
 from .argtypes import algorithm, non_negative_int, positive_float, positive_int
+from .tables import figures_table
 
 #: What ``unison train`` imports beyond torch (module, package): the ``demo`` extra installs them.
 TRAIN_NEEDS = (("sklearn", "scikit-learn"), ("rich", "rich"))
@@ -122,22 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
 def print_summary(summary: dict[str, Any]) -> None:
     """Show the run's figures as a rich table on stdout."""
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="unison train", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    table.add_row("test accuracy", f"{summary['test_accuracy']:.2%}")
-    table.add_row("final train loss", f"{summary['final_loss']:.4f}")
-    table.add_row("wall time", f"{summary['wall_time_s']:.1f} s (training {summary['train_time_s']:.1f} s)")
-    table.add_row("samples/s (all ranks)", f"{summary['samples_per_s']:,.0f}")
-    table.add_row("bytes communicated/step", f"{summary['bytes_per_step']:,.0f}")
-    table.add_row("algorithm", summary["algorithm"])
-    table.add_row("world size", str(summary["world_size"]))
-    table.add_row("epochs", str(summary["epochs"]))
+    rows = [
+        ("samples/s (all ranks)", f"{summary['samples_per_s']:,.0f}"),
+        ("bytes communicated/step", f"{summary['bytes_per_step']:,.0f}"),
+        ("world size", str(summary["world_size"])),
+        ("epochs", str(summary["epochs"])),
+    ]
     if summary.get("resumed_from_step") is not None:
-        table.add_row("resumed from step", f"{summary['resumed_from_step']} (restarts: {summary['restarts']})")
-    Console().print(table)
+        rows.append(("resumed from step", f"{summary['resumed_from_step']} (restarts: {summary['restarts']})"))
+    Console().print(figures_table("unison train", summary, rows))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -180,10 +175,13 @@ def run_train(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"unison train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print_summary(summary)
-    if args.json:
-        return write_json(args.json, summary)
-    return 0
+    return report(args, summary, print_summary)
+
+
+def report(args: argparse.Namespace, summary: dict[str, Any], show: Any) -> int:
+    """A finished run: its summary shown (``show``), and written as JSON with ``--json``."""
+    show(summary)
+    return write_json(args.json, summary) if args.json else 0
 
 
 def ft_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,10 +203,7 @@ def run_train_fault_tolerant(args: argparse.Namespace, config: Any) -> int:
     except Exception as exc:
         print(f"unison train: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print_summary(summary)
-    if args.json:
-        return write_json(args.json, summary)
-    return 0
+    return report(args, summary, print_summary)
 
 
 def missing_packages(needs: Sequence[tuple[str, str]]) -> list[str]:

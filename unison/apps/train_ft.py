@@ -34,6 +34,7 @@ from unison.fault import check_supported
 from unison.runtime import coordinator, ending
 
 from . import logs
+from .tables import figures_table
 from .train import TrainConfig, accuracy, build_model, build_optimizer
 from .workloads.digits import load_data
 
@@ -210,22 +211,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="unison train --fault-tolerant", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    table.add_row("test accuracy", f"{summary['test_accuracy']:.2%}")
-    table.add_row("final train loss", f"{summary['final_loss']:.4f}")
-    table.add_row("wall time", f"{summary['wall_time_s']:.1f} s (training {summary['train_time_s']:.1f} s)")
-    table.add_row("algorithm", summary["algorithm"])
-    table.add_row("steps", str(summary["steps"]))
-    table.add_row("epochs", str(summary["epochs"]))
-    table.add_row("world size", f"{summary['world_size']} (started with {summary['nproc']})")
-    table.add_row("members (worker ids)", ", ".join(map(str, summary["members"])))
-    kills = ", ".join(f"{w}@{s}" for w, s in summary["kills"]) or "none"
-    table.add_row("kills", kills)
-    table.add_row("respawns", str(summary["respawns"]))
-    for worker, step in summary["joined_at_step"].items():
-        table.add_row(f"worker {worker} joined", f"at step {step}")
+    rows = [
+        ("steps", str(summary["steps"])),
+        ("epochs", str(summary["epochs"])),
+        ("world size", f"{summary['world_size']} (started with {summary['nproc']})"),
+        ("members (worker ids)", ", ".join(map(str, summary["members"]))),
+        ("kills", ", ".join(f"{w}@{s}" for w, s in summary["kills"]) or "none"),
+        ("respawns", str(summary["respawns"])),
+    ]
+    rows += [(f"worker {worker} joined", f"at step {step}") for worker, step in summary["joined_at_step"].items()]
+    table = figures_table("unison train --fault-tolerant", summary, rows)
     console = Console()
     console.print(table)
     events = Table(title="events")

@@ -31,6 +31,11 @@ class AsyncAverage:
     race with the communication); ``wait()`` returns the averages as new
     tensors shaped and typed like the inputs. ``wire_bytes`` is what this
     rank sends (a ring allreduce sends 2 (n-1)/n of each buffer).
+
+    With ``fill``, ``tensors`` only give the shapes, dtypes and devices:
+    ``fill(i, out)`` writes the ``i``-th value straight into its place in the
+    wire buffer (``out``, shaped like ``tensors[i]``), so that nothing but the
+    wire is held while it travels (DiLoCo's pseudo-gradients, made there).
     """
 
     def __init__(
@@ -39,14 +44,23 @@ class AsyncAverage:
         group: Optional[dist.ProcessGroup],
         wire_dtype: Optional[torch.dtype] = None,
         chunk_bytes: int = CHUNK_BYTES,
+        fill: Optional[Callable[[int, torch.Tensor], None]] = None,
     ):
         world = dist.get_world_size(group)
+        index = {id(t): i for i, t in enumerate(tensors)}
         self._parts = []
         self.wire_bytes = 0
         with torch.no_grad():
             for chunk in chunks(list(tensors), chunk_bytes):
-                flat = flatten(chunk)
-                wire = flat.to(wire_dtype) if wire_dtype is not None and flat.is_floating_point() else flat
+                if fill is None:
+                    flat = flatten(chunk)
+                else:
+                    flat = torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
+                    for t, view in zip(chunk, split(flat, chunk)):
+                        fill(index[id(t)], view)
+                cast = isinstance(wire_dtype, torch.dtype) and flat.is_floating_point()
+                wire = flat.to(wire_dtype) if cast else flat
+                del flat  # cast: only the wire copy travels
                 wire.div_(world)
                 work = start(dist.all_reduce, wire, group=group)
                 self._parts.append((chunk, wire, work))

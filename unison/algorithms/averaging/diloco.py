@@ -17,17 +17,15 @@ See docs/algorithms.md#diloco.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...engine.averaging import CHUNK_BYTES, average_async
+from ...engine.averaging import AsyncAverage, average_async
 from ...engine.codecs import WIRE_DTYPES
-from ...engine.comm import Finished, Waitable, chunks, ring_bytes, start
-from ...engine.comm import wait as comm_wait
-from ...engine.flat import split
+from ...engine.comm import Finished, Waitable
 from ...engine.offload import empty_like, keep, pieces
 from ...replica import Replica
 from .. import options
@@ -207,9 +205,9 @@ class DiLoCo(Streamed[DiLoCoState]):
             at_launch = [_kept(t, self.offload) for t in params + buffers] if kept else None
             pending: Waitable
             if state.group is not None and not self.int8 and state.levels is None:  # made in the wire buffers
-                pending = WrittenAverage(
-                    params + buffers, partial(self._fill, state, f, len(params)), state.group, self.wire
-                )
+                fill = partial(self._fill, state, f, len(params))
+                dtype = self.wire if isinstance(self.wire, torch.dtype) else None  # not int8: a dtype or fp32's None
+                pending = AsyncAverage(params + buffers, state.group, dtype, fill=fill)
                 state.bytes_sent += pending.wire_bytes
                 return pending, at_launch
             tensors = self._pseudo_gradients(state, f, params) + buffers
@@ -305,41 +303,3 @@ def _kept(t: torch.Tensor, offload: bool) -> torch.Tensor:
     if not offload or t.device.type != "cuda":
         return keep(t, offload)
     return empty_like(t.detach(), offload).copy_(t.detach(), non_blocking=True)
-
-
-class WrittenAverage:
-    """The average over ``group`` of values written straight into the wire buffers (one per chunk of
-    ``like``, chunked as ``AsyncAverage`` chunks), launched at construction: only the wire is held
-    while it travels. ``fill(i, out)`` writes the ``i``-th value (shaped like ``like[i]``) into ``out``;
-    ``wait()`` gives the averages (views of the wire, cast back) in the order of ``like``."""
-
-    def __init__(
-        self,
-        like: Sequence[torch.Tensor],
-        fill: Callable[[int, torch.Tensor], None],
-        group: Optional[dist.ProcessGroup],
-        wire_dtype: Union[torch.dtype, str, None] = None,
-        chunk_bytes: int = CHUNK_BYTES,
-    ) -> None:
-        world, index = dist.get_world_size(group), {id(t): i for i, t in enumerate(like)}
-        self._parts: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
-        self._order = [id(t) for t in like]
-        self.wire_bytes = 0
-        for chunk in chunks(list(like), chunk_bytes):
-            flat = torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
-            for t, view in zip(chunk, split(flat, chunk)):
-                fill(index[id(t)], view)
-            cast = isinstance(wire_dtype, torch.dtype) and flat.is_floating_point()
-            wire = flat.to(wire_dtype) if cast else flat
-            del flat  # cast: only the wire copy travels
-            wire.div_(world)
-            self._parts.append((chunk, wire, start(dist.all_reduce, wire, group=group)))
-            self.wire_bytes += ring_bytes(wire.numel() * wire.element_size(), world)
-
-    def wait(self) -> list[torch.Tensor]:
-        by_id = {}
-        for chunk, wire, work in self._parts:
-            comm_wait(work)
-            for t, value in zip(chunk, split(wire, chunk)):
-                by_id[id(t)] = value.to(t.dtype)
-        return [by_id[i] for i in self._order]
