@@ -21,7 +21,7 @@ LIMIT_S = 60
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 REPORTER = """\
-import atexit, concurrent.futures, json, os, random, sys, threading, time
+import atexit, concurrent.futures, json, logging, os, random, sys, threading, time
 preloaded = "torch" in sys.modules and "unison" in sys.modules  # before this script imports them
 import numpy, torch, unison
 
@@ -33,6 +33,9 @@ report = {
     "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
     "marker": os.environ.get("UNISON_TEST_MARKER"),
     "random": random.random(), "numpy": float(numpy.random.rand()), "torch": torch.rand(1).item(),
+    "log_handlers": len(logging.getLogger("unison").handlers), "log_level": logging.getLogger("unison").level,
+    "quick_exit": unison.runtime.ending._quick,
+    "template": open(f"/proc/{os.getppid()}/cmdline").read().split(chr(0)),
 }
 with open(os.path.join(out, f"report-{wid}.json"), "w") as f:
     json.dump(report, f)
@@ -103,6 +106,10 @@ def test_a_forked_worker_runs_its_script_as_python_does(tmp_path):
         assert r["cwd"] == str(work) and r["marker"] == "given"
         assert r["sid"] == r["pid"]  # a session of its own, as the launcher gives every worker
         assert r["ppid"] != done.pid  # forked by the template, not started by the launcher
+        # The template was forked from the launcher (no interpreter of its own), and what the
+        # launcher set for itself is not the script's: no log handler, no quick end.
+        assert r["template"][1:4] == ["-m", "unison", "launch"], r["template"]
+        assert r["log_handlers"] == 0 and r["log_level"] == 0 and r["quick_exit"] is False
         assert (out / f"atexit-{wid}").read_text() == "True"  # after the non-daemon thread ended
         assert (out / f"unclosed-{wid}").read_text() == "flushed"
     # Random state as new processes have it: seeded anew in each (this torch too), not the template's.

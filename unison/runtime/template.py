@@ -5,9 +5,12 @@ on a 2-core machine; torch's optimizers import ``torch._dynamo`` on first use, 3
 replacement worker of a fault-tolerant job waits that long before it can heal. With
 ``unison launch --fault-tolerant --preload torch,unison ...`` the launcher starts one template
 process that imports those modules once, then forks every worker (and every replacement) from
-it. The child runs the script as ``python script.py ARGS`` would: as ``__main__``, with
-``sys.argv``, ``sys.path[0]`` the script's folder, its exit code, its ``atexit`` handlers, in a
-session of its own, with the environment and the stderr the launcher gives it.
+it. The template is forked from the launcher itself, before its store starts a thread (torch and
+unison are imported already: about 2 s of CPU a launch), or, where the launcher already runs
+threads of its own, started as a fresh ``python``. The child runs the script as ``python
+script.py ARGS`` would: as ``__main__``, with ``sys.argv``, ``sys.path[0]`` the script's folder,
+its exit code, its ``atexit`` handlers, in a session of its own, with the environment and the
+stderr the launcher gives it.
 
 The template is the launcher's child, in a session of its own (a terminal's Ctrl-C reaches the
 launcher, which stops the workers in order); the workers are the template's children. The
@@ -145,7 +148,7 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def main(fd: int, modules: Sequence[str]) -> None:
+def main(fd: int, modules: Sequence[str]) -> NoReturn:
     """The template process's program: ``serve`` on the socket ``fd``, then exit at once (the
     interpreter's teardown of torch would take the launcher's last second)."""
     serve(socket.socket(fileno=fd), modules)
