@@ -65,7 +65,7 @@ GROUPS = [
     ("Wrapping the optimizer: `DistributedOptimizer`", ("optim.py",)),
     ("Data: `ShardSampler`, `sharded_loader`", ("data.py",)),
     ("Checkpoints: `unison.save`, `unison.load`", ("checkpoint.py",)),
-    ("Fault tolerance: `fault_tolerant=True`, `unison launch`", ("fault.py", "runtime/")),
+    ("Fault tolerance: `fault_tolerant=True`, `unison launch`", ("fault/", "runtime/")),
     ("Lightning: `UnisonStrategy`", ("integrations/",)),
     ("Migrating: the HeAT, Bagua and torch layers", ("compat/",)),
     ("The command line: `unison train`, `unison bench`", ("apps/",)),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -217,6 +219,39 @@ def _private_reaches(path: pathlib.Path) -> list[str]:
 def test_no_module_reaches_into_another_modules_private_names():
     reaches = {str(p.relative_to(ROOT)): r for p in PACKAGE.rglob("*.py") if (r := _private_reaches(p))}
     assert reaches == {}
+
+
+#: The faces of the fault-tolerance package: the rest of unison imports these and nothing else of it.
+FAULT_FACES = {"unison.fault", "unison.fault.launcher"}
+
+
+def _in_fault(module: str) -> bool:
+    return module == "unison.fault" or module.startswith("unison.fault.")
+
+
+def test_fault_tolerance_is_reached_only_through_its_faces():
+    """A change to the fault-tolerance protocol stays inside unison/fault/: outside it, modules
+    import only its two faces, and the runtime and the engine nothing of it at all (they reach
+    the membership through runtime/membership.py)."""
+    for module, path in MODULES.items():
+        if _in_fault(module):
+            continue
+        used = {n for n in _imports(path) if _in_fault(n)}
+        assert used <= FAULT_FACES, (module, sorted(used - FAULT_FACES))
+        if module.startswith(("unison.runtime", "unison.engine")):
+            assert not used, (module, sorted(used))
+
+
+def test_the_runtime_s_seam_is_filled_by_any_import_of_unison():
+    """``unison.init()`` under a fault-tolerant launcher connects through runtime.membership, whose
+    connect function the fault-tolerance package gives it at import: a process that imports only
+    the runtime (which runs unison/__init__) has it."""
+    code = (
+        "import unison.runtime.membership as m; given = m._connect; "
+        "import unison.fault.member as fm; assert given is fm.connect_with, given; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_library_never_imports_the_apps():

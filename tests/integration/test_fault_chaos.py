@@ -435,7 +435,7 @@ def _long_broadcasts(port: int, rounds: int) -> tuple[int, float]:
     import torch
     import torch.distributed as dist
 
-    from unison.runtime.member import WAIT_SLICE, Member
+    from unison.fault.member import WAIT_SLICE, Member
 
     member = Member("127.0.0.1", port, worker_id=dist.get_rank())
     try:
@@ -478,7 +478,7 @@ def test_a_collective_that_ends_as_its_wait_slice_runs_out_is_no_failure():
 # ---- Member.regroup: a membership replaced while its members gather -----------------------------
 def _publish(store, epoch: int, members: list[int]) -> None:
     """What the coordinator does for a membership: its document, the epoch, then each member's bell."""
-    from unison.runtime.member import ring
+    from unison.fault.messages import ring
 
     doc = {"members": members, "joiners": [], "reason": "the test"}
     store.set(f"ft/members/{epoch}", json.dumps(doc))
@@ -498,8 +498,8 @@ def _gather_while_replaced(port: int, trials: int) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    from unison.runtime import member as member_module
-    from unison.runtime.member import Member
+    from unison.fault import member as member_module
+    from unison.fault.member import Member
 
     # A rank left alone in a rendezvous fails in seconds, not after the backstop.
     member_module.RENDEZVOUS_TIMEOUT = member_module.GROUP_TIMEOUT = datetime.timedelta(seconds=3)

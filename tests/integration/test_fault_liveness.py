@@ -22,7 +22,7 @@ from launch import PRELOAD
 from integration.test_fault_nodes import Process
 from integration.test_fault_tolerance import SCRIPT, kinds, results
 from integration.test_launcher import ENV, alive
-from unison.runtime.coordinator import STALE_S
+from unison.fault.launcher import STALE_S
 
 LIMIT_S = 120
 #: How long the busy worker keeps its heartbeat thread from running, and the job stays frozen:

@@ -309,7 +309,7 @@ def test_the_coordinator_leaves_no_thread_inside_the_store_when_it_ends(tmp_path
     """A thread blocked in the store when the interpreter ends aborts the launcher ("terminate
     called", exit -6, seen after a start-up failure): the inbox's thread is woken and joined
     before ``run`` returns, and no thread waits on ``ft/abort`` (the loop looks for it)."""
-    from unison.runtime import coordinator
+    from unison.fault.launcher import coordinator
 
     broken = tmp_path / "broken.py"
     broken.write_text("raise SystemExit(5)  # before unison.init(): a start-up failure\n")

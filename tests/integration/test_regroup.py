@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from launch import run
 
-from unison.runtime.member import build_world
+from unison.fault.member import build_world
 
 
 def _build_after_a_failed_build():

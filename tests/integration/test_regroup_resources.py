@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from launch import run
 
-from unison.runtime import member
+from unison.fault import member
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

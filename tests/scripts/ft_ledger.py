@@ -69,7 +69,8 @@ import unison
 import unison.optim
 from unison.algorithms.gradient.allreduce import AllReduce
 from unison.engine import comm
-from unison.runtime import ending, member
+from unison.fault import member
+from unison.runtime import ending
 from unison.runtime import launch as launch_module
 from unison.sharded import local  # a tensor's values on this process: its local shard if FSDP2 sharded it
 

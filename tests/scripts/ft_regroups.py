@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.runtime import member
+from unison.fault import member
 
 STOP_KEY = "test/stop_at"
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from unison.apps import logs
-from unison.runtime import coordinator
+from unison.fault.launcher import coordinator
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ script.py ARGS``; ``--nodes N --procs-per-node P`` starts N nodes of P
 processes each (a node fails, leaves and comes back whole).
 ``unison coordinator`` serves nodes started elsewhere: on each machine,
 ``unison launch --fault-tolerant --procs-per-node P --coordinator HOST:PORT
-script.py`` is that node's agent (``agent.Agent``). See docs/fault-tolerance.md. Both need torch alone: the coordinator's lines are log
+script.py`` is that node's agent (``unison.fault.launcher.Agent``). See
+docs/fault-tolerance.md. Both need torch alone: the coordinator's lines are log
 records (the ``unison.launch`` logger), plain text without rich. Both serve a
 read-only status page unless ``--no-status``.
 """
@@ -19,8 +20,7 @@ import os
 import sys
 from typing import Optional
 
-from ..runtime import agent, coordinator
-from ..runtime.template import TemplateError
+from ..fault.launcher import STALE_S, Agent, Coordinator, Settings, TemplateError
 from .argtypes import non_negative_int, positive_float, positive_int
 
 LAUNCH_EPILOG = """\
@@ -54,7 +54,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=positive_float,
-        default=coordinator.STALE_S,
+        default=STALE_S,
         help="seconds of heartbeat silence after which a worker is evicted (a stopped or hung process; "
         "one on this machine whose process still runs is slow, and kept up to 30 s)",
     )
@@ -121,7 +121,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument(
         "--max-start-failures",
         type=positive_int,
-        default=coordinator.Settings.max_start_failures,
+        default=Settings.max_start_failures,
         help="stop the job after this many workers in a row exited before joining (default: %(default)s)",
     )
     p.add_argument(
@@ -159,8 +159,8 @@ def add_parsers(subparsers) -> None:
     c.set_defaults(run=run_coordinator)
 
 
-def _settings(args: argparse.Namespace, nproc: int, **extra) -> coordinator.Settings:
-    return coordinator.Settings(
+def _settings(args: argparse.Namespace, nproc: int, **extra) -> Settings:
+    return Settings(
         nproc=nproc,
         procs_per_node=getattr(args, "procs_per_node", 1) if nproc else 1,
         min_replicas=args.min_replicas,
@@ -173,10 +173,10 @@ def _settings(args: argparse.Namespace, nproc: int, **extra) -> coordinator.Sett
     )
 
 
-def _serve(name: str, settings: coordinator.Settings, command: Optional[list[str]], port: int) -> int:
+def _serve(name: str, settings: Settings, command: Optional[list[str]], port: int) -> int:
     """Run the coordinator; a setting it refuses (a status port in use) is a usage error (2)."""
     try:
-        boss = coordinator.Coordinator(settings, command, port)
+        boss = Coordinator(settings, command, port)
     except ValueError as exc:
         print(f"unison {name}: {exc}", file=sys.stderr)
         return 2
@@ -240,7 +240,7 @@ def run_agent(args: argparse.Namespace) -> int:
         return _usage(f"--coordinator {args.coordinator!r} is not HOST:PORT (e.g. node0:29400)")
     command = [sys.executable, args.script, *args.args]
     try:
-        node_agent = agent.Agent(
+        node_agent = Agent(
             host,
             int(port),
             args.procs_per_node,

@@ -1,6 +1,6 @@
 """``unison train --fault-tolerant``: the digits job under the fault-tolerant coordinator.
 
-``launch(config, plan)`` runs a coordinator (``unison.runtime.coordinator``) in
+``launch(config, plan)`` runs a coordinator (``unison.fault.launcher.coordinator``) in
 this process; it spawns ``config.nproc`` workers running ``python -m
 unison.apps.train_ft JOB.json`` and, with ``plan.respawn``, a replacement for
 each one that dies. A worker named in ``plan.kills`` SIGKILLs itself once, when
@@ -31,7 +31,8 @@ from torch import nn
 import unison
 from unison import algorithms
 from unison.fault import check_supported
-from unison.runtime import coordinator, ending
+from unison.fault.launcher import Coordinator, Settings
+from unison.runtime import ending
 
 from . import logs
 from .tables import figures_table
@@ -143,7 +144,7 @@ def launch(config: TrainConfig, plan: FaultPlan) -> dict[str, Any]:
         job = os.path.join(out, JOB_FILE)
         with open(job, "w") as f:
             json.dump({"config": dataclasses.asdict(config), "plan": dataclasses.asdict(plan), "out": out}, f)
-        settings = coordinator.Settings(
+        settings = Settings(
             nproc=config.nproc,
             min_replicas=plan.min_replicas,
             respawn=plan.respawn,
@@ -151,7 +152,7 @@ def launch(config: TrainConfig, plan: FaultPlan) -> dict[str, Any]:
         )
         command = [sys.executable, "-m", "unison.apps.train_ft", job]
         start = time.time()
-        boss = coordinator.Coordinator(settings, command)  # its store binds a port the OS picks
+        boss = Coordinator(settings, command)  # its store binds a port the OS picks
         code = boss.run()
         wall = time.time() - start
         path = os.path.join(out, SUMMARY_FILE)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime import ending, member
+from ..runtime import ending, membership
 from ..runtime.groups import private_group, src_rank  # noqa: F401  (re-exported: the engine's face)
 from ..runtime.launch import wire_device  # noqa: F401  (re-exported)
 from .buckets import MB
@@ -67,8 +67,7 @@ def wait(work: Any, p2p: bool = False) -> Any:
     """``work.wait()`` for a Work or Future; under fault tolerance the wait is polled together
     with the membership (``MembershipChanged`` instead of blocking on a dead or stopped peer).
     ``p2p``: the work of a send or receive (never waited on with a timeout)."""
-    current = member.active()
-    result = work.wait() if current is None else current.wait(work, timed=not p2p)
+    result = membership.wait(work, timed=not p2p)
     _release_completed()
     return result
 

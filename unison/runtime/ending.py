@@ -23,7 +23,7 @@ The references, and where each is let go of:
   it, through torch._dynamo): unison imports it before starting a group, and ``end()`` puts
   ``None`` (the same default) back where it was bound all the same.
 
-Under fault tolerance the membership's groups end with the Member (``member.Member.close``).
+Under fault tolerance the membership's groups end with the Member (``unison.fault.member.Member.close``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.distributed as dist
 # Imported before any group exists, so that its ``group=group.WORLD`` defaults are None (see above).
 import torch.distributed.nn.functional as _dist_nn_functional
 
-from . import health, member
+from . import health, membership
 
 _holders: list[tuple[weakref.WeakMethod, Optional[weakref.WeakMethod]]] = []
 _held = False  # whether unison held a group in this process (at exit, a job that never used it is left alone)
@@ -134,7 +134,7 @@ def _at_exit() -> None:
     uncaught exception ended it (a peer may be gone; the groups then go as torch lets them) or a
     Member runs the membership (it ends its own groups). Then, in unison's own processes
     (``quick_exit``), freeze what is left."""
-    if _held and not hasattr(sys, "last_value") and member.active() is None:
+    if _held and not hasattr(sys, "last_value") and membership.current() is None:
         end()
     if _quick:
         gc.freeze()

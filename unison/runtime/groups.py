@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import ending, member
+from . import ending, membership
 from .launch import collective_timeout
 
 
@@ -42,10 +42,10 @@ def private_group(group: Optional[dist.ProcessGroup], tag: Optional[str] = None)
         return _private_groups[key]
     timeout = collective_timeout()
     if group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size():
-        new = member.new_group(lambda t: dist.new_group(timeout=t), timeout)
+        new = membership.new_group(lambda t: dist.new_group(timeout=t), timeout)
     else:
         ranks = [src_rank(group, r) for r in range(dist.get_world_size(group))]
-        new = member.new_group(
+        new = membership.new_group(
             lambda t: dist.new_group(ranks=ranks, timeout=t, use_local_synchronization=True), timeout
         )
     if tag is not None:

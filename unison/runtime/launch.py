@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from . import ending, health, member
+from . import ending, health, membership
 
 log = logging.getLogger("unison.runtime")
 
@@ -241,13 +241,17 @@ def _apply_simulated_nodes(
 
 
 def _subgroups(topo: Topology, enumeration: list[list[int]]) -> tuple[Any, list[Any]]:
-    """``dist.new_subgroups_by_enumeration``, each group built through ``member.new_group``: under
+    """``dist.new_subgroups_by_enumeration``, each group built through ``membership.new_group``: under
     fault tolerance with the short rendezvous timeout and destroyed with its membership, so a peer
     that died before the build makes it fail in seconds (a failure, then a regroup), never waits
     out torch's default timeout (30 minutes)."""
     mine, every = None, []
     for ranks in enumeration:
-        group = member.new_group(lambda t, ranks=ranks: dist.new_group(ranks=ranks, timeout=t), _timeout)
+
+        def build(timeout: Optional[datetime.timedelta], ranks: list[int] = ranks) -> Any:
+            return dist.new_group(ranks=ranks, timeout=timeout)
+
+        group = membership.new_group(build, _timeout)
         every.append(group)
         if topo.rank in ranks:
             mine = group
@@ -349,11 +353,11 @@ def init(
         timeout = DEFAULT_TIMEOUT
     _timeout = timeout
 
-    if member.launched() and not dist.is_initialized():  # under `unison launch --fault-tolerant`
+    if membership.launched() and not dist.is_initialized():  # under `unison launch --fault-tolerant`
         backend = _backend(backend, int(os.environ.get("LOCAL_RANK", "0")))
         _topology = topo = Topology(launcher="unison-ft", backend=backend)
         try:
-            member.connect_with(_follow_membership, backend=backend)  # fills it in, again at every regroup
+            membership.connect(_follow_membership, backend=backend)  # fills it in, again at every regroup
         except BaseException:
             _topology = None
             raise
@@ -415,14 +419,14 @@ def init(
     return topo
 
 
-def _follow_membership(m: "member.Member") -> None:
+def _follow_membership(m: membership.Membership) -> None:
     """Under fault tolerance: point the topology at membership ``m`` (its rank, world and default
     group) and, on nodes of several processes, build its node groups.
 
     A member is a process; the coordinator admits and removes a node's processes together, in
     consecutive ranks ordered by local rank, so the node of rank r is r // local_world_size, as
     with torchrun. The node groups are built again at every regroup, as every group of a membership
-    (``member.new_group``: aborted and destroyed with it).
+    (``membership.new_group``: aborted and destroyed with it).
     """
     topo = _topology
     if topo is None:
@@ -476,7 +480,7 @@ def node_mesh(device_type: Optional[str] = None) -> Any:
     if device_type is None:
         device_type = "cuda" if topo.backend == "nccl" else "cpu"
     if device_type not in _node_meshes:
-        worker = member.active()
+        worker = membership.current()
         group = worker.node_process_group() if worker is not None else topo.intra_node_group
         if group is None:
             raise RuntimeError(

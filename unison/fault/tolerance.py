@@ -32,14 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import algorithms as algos
-from . import sharded
-from .core import Core
-from .engine.comm import all_gather_objects, broadcast_object, share_state
-from .engine.snapshot import seed_all, to_cpu
-from .runtime import forget_private_groups, health, member
-from .runtime.launch import wire_device
-from .runtime.member import Member, MembershipChanged
+from .. import algorithms as algos
+from .. import sharded
+from ..core import Core
+from ..engine.comm import all_gather_objects, broadcast_object, share_state
+from ..engine.snapshot import seed_all, to_cpu
+from ..runtime import forget_private_groups, health
+from ..runtime.launch import wire_device
+from . import member
+from .member import Member, MembershipChanged
 
 logger = logging.getLogger("unison.ft")
 

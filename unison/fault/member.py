@@ -27,11 +27,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .health import RankFailure
+from ..runtime import membership
+from ..runtime.health import RankFailure
+from .messages import post, process_stat, ring, unring
 from .node_group import NodeGroup
 
 #: Seconds between two looks at in-process state (the epoch the watcher last saw) while waiting.
@@ -227,41 +229,6 @@ def build_world(
         if not dist.is_initialized():
             dist.distributed_c10d._world.group_count = 0
         raise
-
-
-def ring(store: dist.Store, worker: int) -> None:
-    """Wake worker ``worker``'s watcher (``ft/bell/<id>/<k>``, k from the counter ``ft/bell/<id>``):
-    it reads the newest membership and ``ft/abort`` again. Rung after the news is written, so a
-    watcher that read before it still wakes."""
-    k = int(store.add(f"ft/bell/{worker}", 1))
-    store.set(f"ft/bell/{worker}/{k}", "")
-
-
-def unring(store: dist.Store, worker: int, first: int = 1) -> None:
-    """Delete worker ``worker``'s bell: the rings from ``first`` on (its watcher deleted those
-    before, the ones it woke on), then the counter. Only once its watcher has left."""
-    for k in range(first, int(store.add(f"ft/bell/{worker}", 0)) + 1):
-        store.delete_key(f"ft/bell/{worker}/{k}")
-    store.delete_key(f"ft/bell/{worker}")
-
-
-def post(store: dist.Store, kind: str, worker: int, **fields: Any) -> None:
-    """Leave a message for the coordinator in its inbox (``ft/inbox/<k>``, k from a counter): it
-    waits on the next one, blocked in the store, instead of looking at per-worker keys."""
-    k = int(store.add("ft/inbox", 1))
-    store.set(f"ft/inbox/{k}", json.dumps({"kind": kind, "worker": worker, **fields}))
-
-
-def process_stat(pid: Union[int, str] = "self") -> Optional[list[bytes]]:
-    """The fields of ``/proc/<pid>/stat`` from the state on (``[0]``: R, S, T (stopped), Z (dead),
-    ...; ``[11]``, ``[12]``: the CPU time it used, user and system, in clock ticks; ``[19]``: when
-    it started); None where there is no /proc or the process is gone. The coordinator tells a slow
-    worker from a stopped one by it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
 
 
 class Member:
@@ -590,6 +557,18 @@ class Member:
                 continue
             return doc
 
+    def new_group(self, build: Any) -> Any:
+        """``build(timeout)``: a process group of this membership, built with the short rendezvous
+        timeout (a member that died or stopped meanwhile is waited out in seconds, and the error is
+        a failure that moves to the next membership, not a 10-minute hang), then given the
+        backstop timeout of its collectives, and destroyed with the membership (``_abandon``)."""
+        group = build(RENDEZVOUS_TIMEOUT)
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # a group of others (every rank builds every group)
+            return group
+        _backstop(group)
+        self.groups.append(group)
+        return group
+
     def node_process_group(self) -> Any:
         """The process group of this worker's node, which outlives memberships (``NodeGroup``):
         built at the first call, by every process of the node at once."""
@@ -679,21 +658,6 @@ def _backstop(group: Any) -> None:
         set_timeout(GROUP_TIMEOUT, group)
 
 
-def new_group(build: Any, timeout: Optional[datetime.timedelta]) -> Any:
-    """``build(timeout)``: a process group. Under fault tolerance it is built with the short
-    rendezvous timeout (a member that died or stopped meanwhile is waited out in seconds, and the
-    error is a failure that moves to the next membership, not a 10-minute hang), then given the
-    backstop timeout of its collectives; otherwise with ``timeout``."""
-    if _member is None:
-        return build(timeout)
-    group = build(RENDEZVOUS_TIMEOUT)
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # a group of others (every rank builds every group)
-        return group
-    _backstop(group)
-    _member.groups.append(group)  # destroyed with its membership (Member._abandon)
-    return group
-
-
 def active() -> Optional[Member]:
     """This process's Member when it runs under a fault-tolerant launcher, else None."""
     return _member
@@ -708,7 +672,8 @@ def connect_with(*after_regroup: Any, backend: str = "gloo") -> Member:
     """``connect()``, with functions to call after every regroup of this worker, the first one
     included (its Member as argument): they run inside the regroup, and a failure of theirs is
     one of the regroup's (the same members are asked for again). ``backend``: the backend of every
-    membership's groups."""
+    membership's groups. What ``unison.runtime.membership.connect`` calls (``unison.init()`` under
+    a fault-tolerant launcher)."""
     global _member
     if _member is None:
         env = os.environ
@@ -729,17 +694,18 @@ def connect_with(*after_regroup: Any, backend: str = "gloo") -> Member:
             local_world,
             backend,
         )
-        _member = member  # before its first group: groups built for it are its membership's (new_group)
+        # Before its first group: groups built for it are its membership's (Member.new_group).
+        _member = member
+        membership.enter(member)
         member.after_regroup.extend(after_regroup)
         try:
             member.regroup()
         except BaseException:
             _member = None
+            membership.enter(None)
             member.close(finished=False)
             raise
     return _member
 
 
-def launched() -> bool:
-    """Whether this process was started by a fault-tolerant launcher (or told of a coordinator)."""
-    return "UNISON_FT_PORT" in os.environ
+membership.provide(connect_with)

@@ -225,7 +225,7 @@ def _forked_template(ours: socket.socket, theirs: socket.socket, modules: Sequen
         for handler in [h for h in logger.handlers if getattr(h, "unison_cli", False)]:
             logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
-        from . import ending
+        from ...runtime import ending
 
         ending.quick_exit(False)
         # Detached: the launcher's frames (a worker's too) keep this object, which would close the
@@ -324,7 +324,9 @@ class Template:
                 _forked_template(ours, theirs, self.modules)
             self.process = _ForkedTemplate(pid)
         else:
-            code = "import sys; from unison.runtime import template; template.main(int(sys.argv[1]), sys.argv[2:])"
+            code = (
+                "import sys; from unison.fault.launcher import template; template.main(int(sys.argv[1]), sys.argv[2:])"
+            )
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code, str(theirs.fileno()), *self.modules],
                 pass_fds=[theirs.fileno()],

@@ -25,8 +25,8 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..messages import post
 from .coordinator import STOP_GRACE_S, STOP_SIGNALS, TICK_S, node_env
-from .member import post
 
 logger = logging.getLogger("unison.launch")
 

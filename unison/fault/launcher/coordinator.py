@@ -68,7 +68,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .member import process_stat, ring, unring
+from ..messages import process_stat, ring, unring
 from .status_page import StatusPage
 from .template import Forked, Template
 
@@ -127,7 +127,7 @@ class Settings:
         status_port: serve the status page on this port (0: one the OS picks; None: no page).
         status_host: the address the status page listens on (loopback: this machine only).
         preload: modules a template process imports once; workers are forked from it
-            (``runtime.template``) instead of started as ``python script``. Empty: not.
+            (``unison.fault.launcher.template``) instead of started as ``python script``. Empty: not.
     """
 
     nproc: int = 0
