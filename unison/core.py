@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import sharded
+from .algorithms import support
 from .algorithms.contract import Algorithm
 from .engine import sparse as sparse_grads
 from .engine.buckets import MB
@@ -100,32 +100,22 @@ def check_ranks_agree(what: str, entries: list[tuple[Any, ...]], group: Optional
 
 
 def sparse_positions(
-    algorithm: Algorithm[Any],
-    trainable: Sequence[tuple[str, torch.Tensor]],
-    modules: Iterable[nn.Module],
-    extra: Iterable[torch.Tensor] = (),
+    trainable: Sequence[tuple[str, torch.Tensor]], modules: Iterable[nn.Module], extra: Iterable[torch.Tensor] = ()
 ) -> list[int]:
     """Positions in ``trainable`` of the parameters that get sparse gradients, decided at
-    construction as torch DDP decides (``unison.engine.sparse.expected``), plus ``extra``.
-
-    Raises ValueError, naming the first such parameter and the algorithms that take them,
-    when there are some and ``algorithm`` says ``sparse_gradients = False`` (its reduction
-    must see every gradient: a compressor with error feedback, QAdam's momentum). The
-    engine sums them itself, outside the buckets; model averaging never reduces gradients.
-    """
+    construction as torch DDP decides (``unison.engine.sparse.expected``), plus ``extra``. The
+    engine sums them itself, outside the buckets; an algorithm whose reduction must see every
+    gradient declares ``sparse_gradients = False`` and is refused (``support.check``)."""
     ids = sparse_grads.expected(modules) | {id(p) for p in extra}
-    positions = [i for i, (_, p) in enumerate(trainable) if id(p) in ids]
-    if not positions or algorithm.sparse_gradients:
-        return positions
-    from . import algorithms  # the registry, read only to name the alternatives
+    return [i for i, (_, p) in enumerate(trainable) if id(p) in ids]
 
-    name = trainable[positions[0]][0]
-    able = [n for n in algorithms.names() if algorithms.get(n).sparse_gradients]
-    raise ValueError(
-        f"parameter {name!r} gets sparse gradients (nn.Embedding/nn.EmbeddingBag with sparse=True), which "
-        f"algorithm {algorithm.name!r} cannot reduce (it compresses every gradient in its buckets); algorithms "
-        f"that take sparse gradients: {', '.join(able)}. Or build the module with sparse=False"
-    )
+
+def sparse_parameter(
+    trainable: Sequence[tuple[str, torch.Tensor]], modules: Iterable[nn.Module], extra: Iterable[torch.Tensor] = ()
+) -> Optional[str]:
+    """The name of the first parameter of ``trainable`` that gets sparse gradients, or None."""
+    positions = sparse_positions(trainable, modules, extra)
+    return trainable[positions[0]][0] if positions else None
 
 
 class FaultPolicy(Protocol):
@@ -144,9 +134,6 @@ class FaultPolicy(Protocol):
     def start(self, begin: Callable[[], None]) -> None:
         """After construction: ``begin()`` starts the algorithm (it builds its groups), then the
         first agreement (a joiner takes the members' state)."""
-
-    def refuse(self, algorithm: Any) -> None:
-        """Raise ValueError if ``algorithm`` cannot run under this policy (at construction, at a switch)."""
 
     def check(self) -> None:
         """Before a forward: raise if the job cannot go on."""
@@ -184,9 +171,6 @@ class NoFaultTolerance:
 
     def start(self, begin: Callable[[], None]) -> None:
         begin()
-
-    def refuse(self, algorithm: Any) -> None:
-        pass
 
     def check(self) -> None:
         pass
@@ -325,14 +309,18 @@ class Core:
             raise RuntimeError("this wrapper is closed: wrap the module (or optimizer) again to go on training")
         return self.dispatcher
 
+    @property
+    def context(self) -> support.Context:
+        """What this model and wrapper ask of any algorithm: fault tolerance, FSDP2's shards, sparse gradients."""
+        return support.Context(
+            self.fault.active, self.fsdp2, sparse_parameter(self.replica.trainable, self.replica.modules)
+        )
+
     def refuse_unsupported(self, algorithm: Algorithm[Any]) -> None:
-        """Raise ValueError if ``algorithm`` cannot train this model (sparse gradients it cannot
-        reduce) or cannot run under its fault policy (no ``Recovery``): before it starts, or before
-        ``switch_to`` stops the running one. The model is the same on every rank, so every rank raises."""
-        sparse_positions(algorithm, self.replica.trainable, self.replica.modules)
-        self.fault.refuse(algorithm)
-        if self.fsdp2:
-            sharded.refuse(algorithm)
+        """Raise if ``algorithm`` cannot run here (``support.check`` in this wrapper's context, as at its
+        construction): before it starts, or before ``switch_to`` stops the running one. The model is
+        the same on every rank, so every rank raises."""
+        support.check(algorithm, self.context)
 
     def start(self) -> Dispatcher:
         """Set the algorithm up on the replica (its ``setup`` event)."""
@@ -423,7 +411,7 @@ class Core:
             # (nonblocking still applies each layer's update at the next forward).
             options["defers_completion"] = False
         trainable = self.replica.trainable
-        sparse = sparse_positions(self.algorithm, trainable, self.replica.modules, sparse_params)
+        sparse = sparse_positions(trainable, self.replica.modules, sparse_params)
         self.reducer = GradReducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],

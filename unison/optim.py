@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import algorithms as algos
 from . import sharded
+from .algorithms import support
 from .algorithms.gradient.qadam_optimizer import QAdamOptimizer
 from .core import (
     ALGORITHM_KEY,
@@ -27,7 +28,7 @@ from .core import (
     membership,
     new_tag,
     parameter_entries,
-    sparse_positions,
+    sparse_parameter,
 )
 from .engine.comm import default_broadcast
 
@@ -192,7 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"sparse_params holds a {type(p).__name__} (shape {list(getattr(p, 'shape', []))}) that is not "
                     "one of the optimizer's parameters; name only parameters the optimizer updates"
                 )
-        sparse_positions(self.algorithm, named, (), self._sparse)
+        support.check(self.algorithm, support.Context(sparse=sparse_parameter(named, (), self._sparse)))
 
     def _connect(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Check that every rank holds the same parameters and settings, then take rank 0's values."""

@@ -28,7 +28,19 @@ from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
 from . import comm_hook, ddp_keywords, pickling, sharded
-from .core import ALGORITHM_KEY, Core, check_bucket_cap, check_ranks_agree, membership, new_tag, parameter_entries, weak
+from .algorithms import support
+from .algorithms.support import Context
+from .core import (
+    ALGORITHM_KEY,
+    Core,
+    check_bucket_cap,
+    check_ranks_agree,
+    membership,
+    new_tag,
+    parameter_entries,
+    sparse_parameter,
+    weak,
+)
 from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
@@ -206,12 +218,13 @@ class DataParallel(nn.Module):
                     "with negotiate_grads=False a parameter with no gradient anywhere gets a zero gradient"
                 )
             fsdp2 = sharded.check(module, torch_keywords.device_mesh)
+            # What the algorithm supports: checked again, with the same context, by switch_to.
+            trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            support.check(algorithm, Context(fault_tolerant, fsdp2, sparse_parameter(trainable, module.modules())))
             if fsdp2:
                 custom = "reduce_function" if reduce_function is not None else None
                 custom = "broadcast_function" if broadcast_function is not None else custom
-                sharded.refuse(
-                    algorithm, fault_tolerant=fault_tolerant, nonfinite=nonfinite, debug=bool(debug), custom=custom
-                )
+                sharded.refuse_options(nonfinite=nonfinite, debug=bool(debug), custom=custom)
             device_ids, output_device = ddp_keywords.check_module(
                 module, torch_keywords.device_ids, torch_keywords.output_device
             )
@@ -327,7 +340,7 @@ class DataParallel(nn.Module):
         if self._core.fsdp2:  # FSDP2 reduce-scatters the gradients inside the node; allreduce averages them across
             if distributed and sharded.averages_gradients(self.algorithm):
                 private = self._core.replica.private_group("allreduce")
-                wire = sharded.WIRE_DTYPES[self.algorithm.name]
+                wire = sharded.gradient_wire(self.algorithm)
                 self._core.hooks.keep(sharded.ReplicaAllReduce(self.module, private, self._core.count_bytes, wire))
             return
         if self.algorithm.reduces_gradients and distributed or self._reduce_function is not None:

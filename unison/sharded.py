@@ -22,23 +22,6 @@ from torch.utils._pytree import tree_map
 from .engine.codecs import halfcast
 from .engine.comm import ring_bytes
 
-#: The algorithms that run over FSDP2: gradient averaging as torch's HSDP, model averaging on the local shards.
-SUPPORTED = (
-    "allreduce",
-    "fp16",
-    "bf16",
-    "local_sgd",
-    "diloco",
-    "sparseloco",
-    "decentralized",
-    "low_precision_decentralized",
-    "async",
-)
-
-#: The algorithms that run with ``fault_tolerant=True`` over FSDP2 (its model averaging, unstreamed).
-FAULT_TOLERANT = ("local_sgd", "diloco", "sparseloco")
-
-_GRADIENTS = "averages gradients, which is not built yet over FSDP2 (FSDP2 reduce-scatters them itself)"
 _HOW = (
     "shard the model with fully_shard(block, mesh=mesh['shard']) for its blocks and the root, and pass "
     "DataParallel(model, device_mesh=mesh['replicate'], ...) with mesh = init_device_mesh(device, "
@@ -184,49 +167,9 @@ def check_views(module: nn.Module, views: Sequence[tuple[str, torch.Tensor]]) ->
             )
 
 
-def refuse(
-    algorithm: Any,
-    *,
-    fault_tolerant: bool = False,
-    nonfinite: Optional[str] = None,
-    debug: bool = False,
-    custom: Optional[str] = None,
-) -> None:
-    """Raise NotImplementedError naming the reason if ``algorithm`` or an option cannot run over
-    FSDP2 yet (at construction and at ``switch_to``, the same on every rank)."""
-    name = algorithm.name
-    if name not in SUPPORTED:
-        what = _GRADIENTS if algorithm.reduces_gradients else "is not built yet over FSDP2"
-        raise NotImplementedError(
-            f"algorithm {name!r} {what}; over a module sharded by FSDP2 use one of {', '.join(SUPPORTED)}"
-        )
-    if getattr(algorithm, "autotune", False):
-        raise NotImplementedError(
-            f"{name} with autotune=True is not built yet over FSDP2 (FSDP2 plans its own buckets); use autotune=False"
-        )
-    if getattr(algorithm, "hierarchical", False):
-        raise NotImplementedError(
-            f"{name} with hierarchical=True is not built yet over FSDP2: the shard dimension is already the "
-            "node's; use hierarchical=False"
-        )
-    if getattr(algorithm, "warmup_steps", 0):
-        raise NotImplementedError(
-            f"{name} with warmup_steps={algorithm.warmup_steps} averages gradients during its warm-up, which "
-            "is not built yet over FSDP2; use warmup_steps=0"
-        )
-    if fault_tolerant and name not in FAULT_TOLERANT:
-        raise NotImplementedError(
-            f"fault_tolerant=True over a module sharded by FSDP2 runs {', '.join(FAULT_TOLERANT)}; {name} is not "
-            "built yet there (a failure inside FSDP2's backward, or a rank-local state, has no recovery yet)"
-        )
-    schedule = getattr(algorithm, "schedule", None)
-    stagger = schedule() if fault_tolerant and callable(schedule) else None
-    if stagger is not None and (stagger.fragments > 1 or stagger.delay > 0):
-        raise NotImplementedError(
-            f"fault_tolerant=True over a module sharded by FSDP2 runs {name} unstreamed (each sync inside the "
-            f"step that launches it); {algorithm.describe()} streams {stagger.fragments} fragment(s) with a delay "
-            f"of {stagger.delay}: pass fragments=1, delay=0 (e.g. '{name}:fragments=1,delay=0')"
-        )
+def refuse_options(nonfinite: Optional[str] = None, debug: bool = False, custom: Optional[str] = None) -> None:
+    """Raise NotImplementedError naming the first of DataParallel's own options given that is not
+    built yet over FSDP2 (what an algorithm supports is ``unison.algorithms.support``'s)."""
     for given, option in (
         (nonfinite is not None, f"nonfinite={nonfinite!r}"),
         (debug, "debug=True"),
@@ -289,10 +232,15 @@ def gradient_sync(module: nn.Module, on: bool) -> None:
 
 
 #: The gradient-averaging algorithms ``ReplicaAllReduce`` runs, and the dtype of their wire (None: the gradients').
-WIRE_DTYPES: dict[str, Optional[torch.dtype]] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def averages_gradients(algorithm: Any) -> bool:
-    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (allreduce, fp16 and
-    bf16, by ``ReplicaAllReduce``); the model-averaging algorithms leave them local to the node."""
-    return bool(algorithm.name in WIRE_DTYPES)
+    """Whether ``algorithm`` averages FSDP2's gradients across the replicas (its class declares
+    ``FSDP2(gradients=True)``: allreduce, fp16 and bf16, by ``ReplicaAllReduce``); the
+    model-averaging algorithms leave them local to the node."""
+    return algorithm.fsdp2 is not None and algorithm.fsdp2.gradients
+
+
+def gradient_wire(algorithm: Any) -> Optional[torch.dtype]:
+    """The dtype FSDP2's gradients cross the replicas in: the algorithm's ``wire_dtype`` where it
+    is a dtype (fp16, bf16), else None (their own)."""
+    wire = getattr(algorithm, "wire_dtype", None)
+    return wire if isinstance(wire, torch.dtype) else None

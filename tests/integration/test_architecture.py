@@ -287,7 +287,7 @@ def test_the_new_algorithm_example_in_the_docs_runs():
 
 
 #: The shared machinery at the top of algorithms/: everything else is an algorithm in its family's folder.
-MACHINERY = {"__init__", "contract", "options", "state", "schedules", "streaming", "averaging_thread"}
+MACHINERY = {"__init__", "contract", "options", "state", "schedules", "streaming", "averaging_thread", "support"}
 FAMILIES = {"gradient", "averaging"}
 
 

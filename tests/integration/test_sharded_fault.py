@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from integration.test_fault_nodes import launch
-from unison import algorithms, sharded
+from unison import algorithms
+from unison.algorithms import support
 
 NODES = ("--nodes", "3", "--procs-per-node", "2", "--respawn")
 STEPS = 60
@@ -203,10 +204,26 @@ def test_what_fault_tolerance_cannot_run_over_fsdp2_is_refused_at_construction(t
     assert err.count("runs diloco unstreamed") >= 1 and "pass fragments=1, delay=0" in err, err[-3000:]
 
 
+def test_switch_to_refuses_what_construction_refuses_under_fault_tolerance_over_fsdp2(tmp_path):
+    """switch_to checks the algorithm in the wrapper's whole context, fault tolerance included, as
+    construction does (it once asked only whether FSDP2 runs it, and switched to allreduce)."""
+    code, err, found = launch(
+        tmp_path / "out",
+        ("--nodes", "2", "--procs-per-node", "2"),
+        "--shard",
+        "--algorithm",
+        "sparseloco",
+        "--switch-to",
+        "allreduce@3",
+    )
+    assert code != 0 and not found
+    assert "runs diloco, local_sgd, sparseloco; allreduce is not built yet there" in err, err[-3000:]
+
+
 @pytest.mark.parametrize(
     "algorithm, words",
     [
-        ("allreduce", "runs local_sgd, diloco, sparseloco; allreduce is not built yet there"),
+        ("allreduce", "runs diloco, local_sgd, sparseloco; allreduce is not built yet there"),
         ("low_precision_decentralized", "low_precision_decentralized is not built yet there"),
         ("local_sgd", "pass fragments=1, delay=0"),
         ("diloco:overlap=True", "with a delay of 1"),
@@ -215,10 +232,12 @@ def test_what_fault_tolerance_cannot_run_over_fsdp2_is_refused_at_construction(t
 def test_the_fault_tolerant_algorithms_over_fsdp2_are_named_in_the_refusal(algorithm, words):
     """What construction checks on every rank before anything is built (the same on each)."""
     with pytest.raises(NotImplementedError, match="fault_tolerant=True over a module sharded by FSDP2") as info:
-        sharded.refuse(algorithms.as_algorithm(algorithm), fault_tolerant=True)
+        support.check(algorithms.as_algorithm(algorithm), support.Context(fault_tolerant=True, fsdp2=True))
     assert words in str(info.value)
 
 
 @pytest.mark.parametrize("algorithm", ["local_sgd:fragments=1,delay=0", "diloco:fragments=1,delay=0", "sparseloco"])
 def test_the_unstreamed_model_averaging_runs_fault_tolerant_over_fsdp2(algorithm):
-    sharded.refuse(algorithms.as_algorithm(algorithm), fault_tolerant=True)  # raises nothing
+    support.check(
+        algorithms.as_algorithm(algorithm), support.Context(fault_tolerant=True, fsdp2=True)
+    )  # raises nothing

@@ -16,7 +16,7 @@ import importlib
 from typing import Any, Union
 
 from ..compat.aliases import ALIASES  # a data table: the one import from above (see test_architecture)
-from .contract import Algorithm, Recovery, State
+from .contract import FSDP2, Algorithm, Recovery, State
 
 _BUILTIN: dict[str, str] = {
     "allreduce": "gradient.allreduce:AllReduce",
@@ -110,4 +110,4 @@ def as_algorithm(algorithm: Union[str, Algorithm[Any]]) -> Algorithm[Any]:
     raise TypeError(f"algorithm must be a name or an Algorithm, not {type(algorithm).__name__}")
 
 
-__all__ = ["Algorithm", "Recovery", "State", "as_algorithm", "create", "get", "names", "register"]
+__all__ = ["FSDP2", "Algorithm", "Recovery", "State", "as_algorithm", "create", "get", "names", "register"]

@@ -34,6 +34,23 @@ __all__ = ["Algorithm", "Recovery", "State", "ThreadedState", "open_thread"]
 
 
 @dataclasses.dataclass(frozen=True)
+class FSDP2:
+    """What running over a module sharded by FSDP2 (``fully_shard``, then ``DataParallel``) needs of
+    an algorithm: declared on its class as ``fsdp2``. An algorithm that declares none is refused
+    over FSDP2, at construction and at ``switch_to`` (``unison.algorithms.support.check``).
+
+    Attributes:
+        gradients: it averages gradients: the wrapper averages FSDP2's reduce-scattered shards
+            across the replicas (in the class's ``wire_dtype`` where it has one); without it the
+            algorithm averages the local shards of the model itself (model averaging).
+        fault_tolerant: it also runs under ``fault_tolerant=True`` over FSDP2, unstreamed.
+    """
+
+    gradients: bool = False
+    fault_tolerant: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Recovery:
     """What fault tolerance (``DataParallel(fault_tolerant=True)``, ``unison.fault``) needs of an
     algorithm: declared on its class as ``recovery``. An algorithm that declares none is refused
@@ -147,6 +164,8 @@ class Algorithm(Generic[S]):
     stops_gradient_sync: ClassVar[bool] = False
     #: What fault tolerance needs of it (``Recovery``); None: refused under ``fault_tolerant=True``.
     recovery: ClassVar[Optional[Recovery]] = None
+    #: What FSDP2 needs of it (``FSDP2``); None: refused over a module sharded by FSDP2.
+    fsdp2: ClassVar[Optional[FSDP2]] = None
 
     #: Options declared the earlier way (``period = options.Int(16)``), with their checks.
     legacy_options: ClassVar[dict[str, checks.Option]] = {}

@@ -30,7 +30,7 @@ from torch import nn
 
 import unison
 from unison import algorithms
-from unison.fault import check_supported
+from unison.algorithms import support
 from unison.fault.launcher import Coordinator, Settings
 from unison.runtime import ending
 
@@ -104,7 +104,7 @@ def steps_per_epoch(config: TrainConfig, n_train: int, world: int) -> int:
 
 def check(config: TrainConfig, plan: FaultPlan) -> None:
     """Refuse, before any process starts, what the fault-tolerant run cannot do (ValueError)."""
-    check_supported(algorithms.as_algorithm(config.algorithm), None)
+    support.check(algorithms.as_algorithm(config.algorithm), support.Context(fault_tolerant=True))
     if config.checkpoint_dir is not None or config.max_restarts:
         raise ValueError("--fault-tolerant keeps the job alive itself: leave out --checkpoint-dir and --max-restarts")
     if plan.min_replicas > config.nproc:

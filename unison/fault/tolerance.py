@@ -34,6 +34,7 @@ from torch import nn
 
 from .. import algorithms as algos
 from .. import sharded
+from ..algorithms import support
 from ..core import Core
 from ..engine.comm import all_gather_objects, broadcast_object, share_state
 from ..engine.snapshot import seed_all, to_cpu
@@ -70,13 +71,13 @@ class Guarded(Protocol):
 
 def supported() -> list[str]:
     """The algorithms that run with ``fault_tolerant=True``: those that declare a ``Recovery``."""
-    return [name for name in algos.names() if algos.get(name).recovery is not None]
+    return support.supporting(lambda cls: cls.recovery is not None)
 
 
-def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) -> None:
-    """Refuse, at construction, what fault tolerance cannot guard: an algorithm that declares no
-    ``Recovery``, or a process group that is not the whole job (its membership changes: only the
-    group of every member can be built again over a new membership)."""
+def check_group(process_group: Optional[dist.ProcessGroup]) -> None:
+    """Refuse, at construction, a process group that is not the whole job: its membership changes,
+    and only the group of every member can be built again over a new membership. (An algorithm
+    that declares no ``Recovery`` is refused by ``unison.algorithms.support.check``.)"""
     if process_group is not None:
         outside = process_group is dist.GroupMember.NON_GROUP_MEMBER
         size = 0 if outside else dist.get_world_size(process_group)
@@ -87,11 +88,6 @@ def check_supported(algorithm: Any, process_group: Optional[dist.ProcessGroup]) 
                 + "); under fault tolerance the replicas are the job's members, whose membership changes: leave "
                 "process_group unset, or pass the whole job's group (dist.group.WORLD)"
             )
-    if algorithm.recovery is None:
-        raise ValueError(
-            f"fault_tolerant=True does not support algorithm {algorithm.name!r}: it declares no Recovery (what a "
-            f"failure needs of it; unison.algorithms.Recovery). It supports {', '.join(supported())}"
-        )
 
 
 def joining_member(
@@ -107,7 +103,8 @@ def joining_member(
             "fault_tolerant=True needs the job started by `unison launch --fault-tolerant --nproc N script.py` "
             "(or served by `unison coordinator`), and unison.init() called before the model is wrapped"
         )
-    check_supported(algorithm, process_group)
+    check_group(process_group)
+    support.check(algorithm, support.Context(fault_tolerant=True))
     if optimizer is None:
         raise ValueError("fault_tolerant=True needs optimizer=: its steps are the ones committed and healed")
     return worker
@@ -278,10 +275,6 @@ class FaultTolerance:
                 obj.load_state_dict(self._healed.pop(name))
             if callable(getattr(obj, "reshard", None)):
                 obj.reshard(self.rank, self.world_size)
-
-    def refuse(self, algorithm: Any) -> None:
-        """Raise ValueError if ``algorithm`` declares no ``Recovery`` (``switch_to`` asks before it stops the running one)."""
-        check_supported(algorithm, None)
 
     def leave(self) -> None:
         """Leave the job gracefully after this step: the others go on without this worker."""
@@ -636,6 +629,6 @@ def _module_state(model: Guarded) -> dict[str, torch.Tensor]:
 def recovery(model: Guarded) -> algos.Recovery:
     """The running algorithm's ``Recovery`` (checked at construction and at every switch)."""
     declared = model.core.algorithm.recovery
-    if declared is None:  # unreachable: check_supported refused it
+    if declared is None:  # unreachable: support.check refused it
         raise RuntimeError(f"algorithm {model.core.algorithm.name!r} declares no Recovery")
     return declared

@@ -29,7 +29,7 @@ from ...replica import Replica
 from ...runtime import collective_timeout
 from .. import options
 from ..averaging_thread import SLOTS, AveragingThread, ChunkedRound
-from ..contract import Algorithm, Recovery
+from ..contract import FSDP2, Algorithm, Recovery
 from ..schedules import CountedState, StepCount
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
@@ -154,6 +154,7 @@ class AsyncModelAverage(Algorithm[AsyncState]):
     needs_optimizers = True
     stops_gradient_sync = True  # after its warm-up
     recovery = Recovery()  # an interrupted average is dropped: the thread's next one pulls the replicas together
+    fsdp2 = FSDP2()  # the local shards averaged by the thread
     sync_interval_ms: float = 50.0
     warmup_steps: int = 0
     hierarchical: bool = False

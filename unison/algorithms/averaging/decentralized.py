@@ -32,7 +32,7 @@ from ...engine.flat import by_kind, split
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Recovery
+from ..contract import FSDP2, Recovery
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -227,6 +227,7 @@ class Decentralized(Streamed[DecentralizedState]):
     reduces_gradients = False
     needs_optimizers = True
     recovery = Recovery()  # an interrupted gossip round is dropped: the next one pulls the replicas together
+    fsdp2 = FSDP2()  # the local shards gossiped
     peer_selection: Literal["all", "shift_one", "ring"] = "all"
     period: int = 16
 

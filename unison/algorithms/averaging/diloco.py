@@ -29,7 +29,7 @@ from ...engine.comm import Finished, Waitable
 from ...engine.offload import empty_like, keep, pieces
 from ...replica import Replica
 from .. import options
-from ..contract import Recovery
+from ..contract import FSDP2, Recovery
 from ..schedules import StepCount
 from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
 
@@ -141,6 +141,7 @@ class DiLoCo(Streamed[DiLoCoState]):
     # An outer step is state every replica shares: launched again after a membership change. The
     # error feedback of its int8 wire belongs to the rank.
     recovery = Recovery(rank_local=("feedback",), interrupted="relaunch")
+    fsdp2 = FSDP2(fault_tolerant=True)  # the local shards' outer step
     period: int = 16
     outer_lr: float = 0.7
     outer_momentum: float = 0.5

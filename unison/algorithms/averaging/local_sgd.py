@@ -32,7 +32,7 @@ from ...engine.averaging import AsyncAverage, average_
 from ...engine.comm import Finished, Waitable
 from ...replica import Replica
 from .. import options
-from ..contract import Recovery
+from ..contract import FSDP2, Recovery
 from ..schedules import StepCount
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
 
@@ -72,6 +72,7 @@ class LocalSGD(Streamed[LocalSGDState]):
     needs_optimizers = True
     stops_gradient_sync = True  # after its warm-up
     recovery = Recovery()  # an interrupted average is dropped: the next one pulls the replicas together
+    fsdp2 = FSDP2(fault_tolerant=True)  # the local shards averaged
     period: int = 16
     warmup_steps: int = 0
     hierarchical: bool = False

@@ -27,7 +27,7 @@ from ...engine.hierarchy import TwoLevel
 from ...engine.offload import keep, pieces
 from ...replica import Replica
 from .. import options
-from ..contract import Recovery
+from ..contract import FSDP2, Recovery
 from ..schedules import StepCount
 from ..state import State
 from ..streaming import Streamed, StreamedState, fragments_of, write_average
@@ -300,6 +300,7 @@ class LowPrecisionDecentralized(Streamed[LowPrecisionState]):
     needs_optimizers = True
     # A load makes the next round resend the copies in full: under a heal, every member loads again.
     recovery = Recovery(reload_after_heal=True)
+    fsdp2 = FSDP2()  # the local shards gossiped
     period: int = 16
     offload: bool = False
 

@@ -31,7 +31,7 @@ from ...engine.comm import wait as comm_wait
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Recovery
+from ..contract import FSDP2, Recovery
 from ..schedules import StepCount
 from ..streaming import Stagger, Streamed, StreamedState, default_schedule, fragments_of
 
@@ -192,6 +192,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     # the new membership, from the error feedback as it was before (``release``). The error feedback
     # belongs to the rank.
     recovery = Recovery(rank_local=("feedback",), interrupted="relaunch")
+    fsdp2 = FSDP2(fault_tolerant=True)  # the local shards' outer step
     period: int = 16
     outer_lr: float = 1.0
     beta: float = 0.95

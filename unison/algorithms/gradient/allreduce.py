@@ -31,7 +31,7 @@ from ...engine.comm import Waitable
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, Recovery, State
+from ..contract import FSDP2, Algorithm, Recovery, State
 from .bucket_tuner import BucketTuner
 
 
@@ -133,6 +133,7 @@ class AllReduce(BucketAllReduce[AllReduceState]):
 
     name = "allreduce"
     recovery = Recovery()
+    fsdp2 = FSDP2(gradients=True)  # averaged across the replicas as torch's HSDP does
     autotune: bool = False
 
     def __post_init__(self) -> None:

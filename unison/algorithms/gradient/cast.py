@@ -22,7 +22,7 @@ from ...engine.comm import Waitable, ring_bytes, start
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from .. import options
-from ..contract import Algorithm, Recovery, State
+from ..contract import FSDP2, Algorithm, Recovery, State
 
 
 class CastState(State):
@@ -56,6 +56,7 @@ class CastAllReduce(Algorithm[CastState]):
 
     wire_dtype: ClassVar[torch.dtype]
     recovery = Recovery()
+    fsdp2 = FSDP2(gradients=True)  # in wire_dtype, across the replicas
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
