@@ -281,9 +281,10 @@ def test_the_heal_source_killed_mid_transfer_the_joiner_heals_from_another_membe
     assert code == 0, err[-3000:]
     assert sorted(found) == sorted({0, 2, 3, 4} - {victim}), err[-3000:]
     healed = found[3]
-    # Its first heal was cut off: the payload it finally loaded came after the kill, from a survivor.
+    # Its first heal was cut off: every payload it loaded came after the kill, from a survivor (a
+    # second one when the source's replacement joins before the joiner has settled, on a busy machine).
     heals = [(t, detail) for t, kind, detail in healed["events"] if kind == "heal_recv"]
-    assert len(heals) == 1 and heals[0][0] > killed_at, healed["events"]
+    assert heals and all(t > killed_at for t, _ in heals), healed["events"]
     assert "failure" in kinds(healed)[: kinds(healed).index("heal_recv")]
     start = healed["first_step"]
     assert healed["healed"] == [-1.0] * start + [0.0] * (steps - start)

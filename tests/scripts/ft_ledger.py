@@ -27,7 +27,8 @@ its heal until PATH exists (a minute at most; once it exists, no heal stops), an
 OUT/held-<pid> (its sources' worker ids and the heal's number of pieces) as it stops: a test acts
 while the sources still hold pieces to send, whatever the machine's load.
 `--kill-building ID` SIGKILLs worker ID inside its first `DataParallel(...)`, as the gradient
-engine starts building its groups: the others are then inside that group's rendezvous.
+engine starts building its groups, once every member has begun building its wrapper: the others
+are then inside that group's rendezvous, whatever the machine's load.
 `--kill-node-groups ID` SIGKILLs worker ID inside `unison.init()`, as it starts building its node
 groups (nodes of several processes): the others are then inside those groups' rendezvous.
 `--algorithm no_recovery` is allreduce declaring no Recovery (refused under fault tolerance).
@@ -57,6 +58,7 @@ weights then); with `--reload`, every process then zeroes all three and `unison.
 import argparse
 import json
 import os
+import pathlib
 import signal
 import sys
 import time
@@ -313,9 +315,19 @@ def die(*args, **kwargs) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_building() -> None:
-    """SIGKILL this worker when the gradient engine asks for its first group."""
-    comm.private_group = die
+def kill_building(args) -> None:
+    """SIGKILL this worker when the gradient engine asks for its first group, once every member has
+    begun building its wrapper (each writes OUT/wrapping-<pid> first): the others are then inside
+    DataParallel(...), where fault tolerance sees the failure, not still inside unison.init()."""
+
+    def die_once_every_member_builds(*_args, **_kwargs) -> None:
+        deadline = time.time() + 60
+        members = len(member.active().members)
+        while len(list(pathlib.Path(args.out).glob("wrapping-*"))) < members and time.time() < deadline:
+            time.sleep(0.02)
+        die()
+
+    comm.private_group = die_once_every_member_builds
 
 
 def kill_node_groups() -> None:
@@ -328,7 +340,7 @@ def run(args) -> None:
     if args.hold_heal and os.environ.get("UNISON_FT_ID") == args.hold_heal.partition("@")[0]:
         hold_heal(args, args.hold_heal.partition("@")[2])
     if args.kill_building is not None and os.environ.get("UNISON_FT_ID") == str(args.kill_building):
-        kill_building()
+        kill_building(args)
     if args.kill_node_groups is not None and os.environ.get("UNISON_FT_ID") == str(args.kill_node_groups):
         kill_node_groups()
     unison.init()
@@ -353,6 +365,7 @@ def run(args) -> None:
     elif args.group == "first-two":
         group = torch.distributed.new_group([0, 1])
     cap = {"bucket_cap_mb": args.matrices**2 * 4 / 2**20} if args.matrices else {}  # a matrix per bucket
+    mark(args, "wrapping", str(m.id))
     model = unison.DataParallel(
         net, optimizer=opt, algorithm=args.algorithm, fault_tolerant=True, process_group=group, **cap
     )
