@@ -206,6 +206,9 @@ class Core:
         bucket_cap_mb: the gradient bucket size, in MiB.
         requires_grad: per parameter, whether it is trained, where the tensors cannot say
             (FSDP2's local shards; ``Replica``).
+        fsdp2: the parameters are FSDP2's local shards (``support.check`` refuses what is not built there).
+        optimizers, around_steps: optimizers registered at once (``add_optimizer``), with the
+            ``(before, after)`` callables of their steps.
 
     Example::
 
@@ -225,6 +228,9 @@ class Core:
         broadcast_buffers: bool = True,
         bucket_cap_mb: float = 25,
         requires_grad: Optional[Sequence[bool]] = None,
+        fsdp2: bool = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        around_steps: Optional[tuple[StepFn, StepFn]] = None,
     ) -> None:
         self.algorithm = algorithm
         self.tag = tag
@@ -255,7 +261,11 @@ class Core:
         #: Keep the saved local gradients fault tolerance redoes a round from on the host (``ft_offload``).
         self.saved_on_host = False
         #: The parameters are FSDP2's local shards: algorithms not built over them are refused.
-        self.fsdp2 = False
+        self.fsdp2 = fsdp2
+        for optimizer in optimizers:
+            if around_steps is None:
+                raise ValueError("optimizers need around_steps: what to call before and after each of their steps")
+            self.add_optimizer(optimizer, *around_steps)
 
     # ---- the wrapper's calls ------------------------------------------------------------
     @contextmanager

@@ -14,6 +14,7 @@ keywords and checks in ``unison.ddp_keywords``, torch's comm-hook contract in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -54,6 +55,81 @@ from .runtime import ending, health, private_group, replica_group
 __all__ = ["ALGORITHM_KEY", "DataParallel"]
 
 ReduceFn = Callable[[Sequence[torch.Tensor], Optional[dist.ProcessGroup]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """DataParallel's own keywords (torch DDP's are ``ddp_keywords.Keywords``), checked when made:
+    built inside the constructor's agreement, so a bad one raises on every rank."""
+
+    bucket_cap_mb: float
+    negotiate_grads: bool
+    find_unused_parameters: bool
+    delay_reduce: bool
+    reduce_function: Optional[ReduceFn]
+    broadcast_function: Optional[ReduceFn]
+    nonfinite: Optional[str]
+    debug: bool
+    fault_tolerant: bool
+    ft_offload: bool
+
+    def __post_init__(self) -> None:
+        if self.ft_offload and not self.fault_tolerant:
+            raise ValueError(
+                "ft_offload=True keeps fault tolerance's saved gradients on the host: it needs fault_tolerant=True"
+            )
+        object.__setattr__(self, "bucket_cap_mb", check_bucket_cap(self.bucket_cap_mb))
+        if self.nonfinite not in nonfinite_.MODES:
+            raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {self.nonfinite!r}")
+        for name, fn in (("reduce_function", self.reduce_function), ("broadcast_function", self.broadcast_function)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable as fn(tensors, group)")
+        if self.find_unused_parameters and not self.negotiate_grads:
+            raise ValueError(
+                "find_unused_parameters=True needs negotiate_grads=True (negotiation is how unison finds them); "
+                "with negotiate_grads=False a parameter with no gradient anywhere gets a zero gradient"
+            )
+
+
+def _the_module(module: Any) -> nn.Module:
+    """The module to wrap: a restored wrapper's own module when one is wrapped again."""
+    if isinstance(module, DataParallel) and module._restored:
+        module = module.__dict__["_modules"]["module"]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
+    return module
+
+
+def _replica_group(
+    module: nn.Module, process_group: Optional[dist.ProcessGroup], ddp_kwargs: Mapping[str, Any], fault_tolerant: bool
+) -> tuple[Optional[dist.ProcessGroup], bool]:
+    """The group of the replicas, and whether the module is sharded over ``unison.node_mesh()``
+    (then the replicas are the processes of this local rank on every node)."""
+    group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
+    on_nodes = group is None and sharded.on_node_mesh(module)
+    if on_nodes:
+        return replica_group(), True
+    if fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
+        sharded.refuse_call(
+            "fault_tolerant=True",
+            " over a device_mesh: shard over unison.node_mesh(), whose group outlives the memberships, and leave "
+            "device_mesh out",
+        )
+    return group, False
+
+
+def _context(module: nn.Module, options: Options, fsdp2: bool) -> Context:
+    """What this model and these options ask of any algorithm (``support.check``)."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return Context(options.fault_tolerant, fsdp2, sparse_parameter(trainable, module.modules()))
+
+
+def _optimizers(optimizer: Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None]) -> list[Any]:
+    """``optimizer=`` as a list (one, several, or none)."""
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
 
 logger = logging.getLogger("unison")
 
@@ -178,87 +254,36 @@ class DataParallel(nn.Module):
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
-        if isinstance(module, DataParallel) and module._restored:
-            module = module.__dict__["_modules"]["module"]  # a restored wrapper wrapped again: its module
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DataParallel wraps an nn.Module, not {type(module).__name__}")
+        module = _the_module(module)
         algorithm = algos.as_algorithm(algorithm)  # resolved once: the instance every check and the Core see
-        group = ddp_keywords.group_of(process_group, ddp_kwargs.get("device_mesh"))
-        # Sharded over unison.node_mesh(): the replicas are the processes of this local rank on every node.
-        on_nodes = group is None and sharded.on_node_mesh(module)
-        if on_nodes:
-            group = replica_group()
-        elif fault_tolerant and any(sharded.is_dtensor(p) for p in module.parameters()):
-            sharded.refuse_call(
-                "fault_tolerant=True",
-                " over a device_mesh: shard over unison.node_mesh(), whose group outlives "
-                "the memberships, and leave device_mesh out",
-            )
+        group, on_nodes = _replica_group(module, process_group, ddp_kwargs, fault_tolerant)
         worker = joining_member(fault_tolerant, algorithm, None if on_nodes else group, optimizer)
         self.process_group, self.world_size, self.rank = membership(group, "DataParallel")
-        if debug is None:
-            debug = os.environ.get("UNISON_DEBUG", "") not in ("", "0")
         # Checks that may differ between ranks are agreed on before any other collective.
         with raised_everywhere(self.process_group if worker is None else None):
             torch_keywords = ddp_keywords.parse(ddp_kwargs, stacklevel=3)
-            if ft_offload and not fault_tolerant:
-                raise ValueError(
-                    "ft_offload=True keeps fault tolerance's saved gradients on the host: it needs fault_tolerant=True"
-                )
             ddp_keywords.refuse_positional_device_ids(optimizer)
-            bucket_cap_mb = check_bucket_cap(25 if bucket_cap_mb is None else bucket_cap_mb)
-            if nonfinite not in nonfinite_.MODES:
-                raise ValueError(f"nonfinite must be None, 'raise' or 'skip', got {nonfinite!r}")
-            for name, fn in (("reduce_function", reduce_function), ("broadcast_function", broadcast_function)):
-                if fn is not None and not callable(fn):
-                    raise TypeError(f"{name} must be callable as fn(tensors, group)")
-            if find_unused_parameters and not negotiate_grads:
-                raise ValueError(
-                    "find_unused_parameters=True needs negotiate_grads=True (negotiation is how unison finds them); "
-                    "with negotiate_grads=False a parameter with no gradient anywhere gets a zero gradient"
-                )
+            options = Options(
+                bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
+                negotiate_grads=negotiate_grads,
+                find_unused_parameters=find_unused_parameters,
+                delay_reduce=delay_reduce,
+                reduce_function=reduce_function,
+                broadcast_function=broadcast_function,
+                nonfinite=nonfinite,
+                debug=os.environ.get("UNISON_DEBUG", "") not in ("", "0") if debug is None else bool(debug),
+                fault_tolerant=fault_tolerant,
+                ft_offload=ft_offload,
+            )
             fsdp2 = sharded.check(module, torch_keywords.device_mesh)
-            # What the algorithm supports: checked again, with the same context, by switch_to.
-            trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            support.check(algorithm, Context(fault_tolerant, fsdp2, sparse_parameter(trainable, module.modules())))
+            support.check(algorithm, _context(module, options, fsdp2))  # switch_to checks against the same
             if fsdp2:
-                custom = "reduce_function" if reduce_function is not None else None
-                custom = "broadcast_function" if broadcast_function is not None else custom
-                sharded.refuse_options(nonfinite=nonfinite, debug=bool(debug), custom=custom)
-            device_ids, output_device = ddp_keywords.check_module(
-                module, torch_keywords.device_ids, torch_keywords.output_device
-            )
-            runtime_buffers, initial_buffers = ddp_keywords.buffer_sync(
-                broadcast_buffers, torch_keywords.forward_sync_buffers, stacklevel=3
-            )
-
-        self.module = module
-        self.broadcast_buffers = runtime_buffers
-        self.negotiate_grads = negotiate_grads
-        self.find_unused_parameters = find_unused_parameters
-        self.delay_reduce = delay_reduce
-        self.nonfinite = nonfinite
-        self.debug = bool(debug)
-        # torch DDP's attributes, with torch's values.
-        self.device_ids = device_ids
-        self.output_device = output_device
-        self.dim = torch_keywords.dim
-        self.init_sync = torch_keywords.init_sync
-        self.skip_all_reduce_unused_params = torch_keywords.skip_all_reduce_unused_params
-        self.static_graph = torch_keywords.static_graph
-        self.gradient_as_bucket_view = torch_keywords.gradient_as_bucket_view
-        self.device = next(iter(module.parameters())).device
-        self.device_type = self.device.type
-        self._initial_buffers = initial_buffers
-        self._reduce_function = reduce_function
-        self._broadcast_function = broadcast_function or default_broadcast
-        self._require_sync = True
-        self._forwards = 0
-        self._skipped_local = 0
-        self._buffer_sync: Optional[AsyncBroadcast] = None
-        self._step_group: Optional[dist.ProcessGroup] = None
-        self.serial = new_tag("model")
-
+                custom = "reduce_function" if options.reduce_function is not None else None
+                custom = "broadcast_function" if options.broadcast_function is not None else custom
+                sharded.refuse_options(nonfinite=options.nonfinite, debug=options.debug, custom=custom)
+            placement = ddp_keywords.check_module(module, torch_keywords.device_ids, torch_keywords.output_device)
+            buffers = ddp_keywords.buffer_sync(broadcast_buffers, torch_keywords.forward_sync_buffers, stacklevel=3)
+        self._keep(module, options, torch_keywords, placement, buffers)
         # Over FSDP2 the algorithm trains the local shards, talking across the replicate dimension.
         named, requires_grad = sharded.local_parameters(module) if fsdp2 else (list(module.named_parameters()), None)
         self._core = Core(
@@ -268,38 +293,76 @@ class DataParallel(nn.Module):
             self.process_group,
             self.serial,
             modules=list(module.modules()),
-            broadcast_buffers=runtime_buffers,
-            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=self.broadcast_buffers,
+            bucket_cap_mb=options.bucket_cap_mb,
             requires_grad=requires_grad,
+            fsdp2=fsdp2,
+            optimizers=_optimizers(optimizer),
+            around_steps=(weak(self._before_step), weak(self._after_step)),
         )
-        self._core.fsdp2 = fsdp2
-        self.optimizers = self._core.optimizers
-        if optimizer is not None:
-            for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
-                self.register_optimizer(opt)
         self._join_hook = CoreJoinHook(self._core, module, weak(self._shadow_step))
-        if worker is not None:
-            self._core.fault = FaultTolerance(self, worker)
-            self._core.saved_on_host = ft_offload
-        if self.process_group is not None and not self._core.fault.active:
-            with self._core.entry("building DataParallel"):
-                self._construct_collectives(named)
-        # A wrapper that is garbage-collected without close() leaves no hook or thread behind.
+        self._guard(worker, options, named)
+        # A wrapper that is garbage-collected without close() leaves no hook or thread behind; the
+        # job's end (runtime/ending.py) lets go of its groups.
         self._finalizer = weakref.finalize(self, self._core.release)
         if self.process_group is not None:
-            ending.hold(self._let_go_of_groups, self._release)  # the job's end (runtime/ending.py)
+            ending.hold(self._let_go_of_groups, self._release)
         # Fault tolerance: a joiner takes the members' state (at the job's start, rank 0's), and a
         # member lost while the algorithm builds its groups is recovered from.
         self._core.fault.start(self._start_algorithm)
         logger.info(
             "DataParallel: %d parameter tensor(s), algorithm %s, %d rank(s)%s",
-            len(named),
+            len(self._core.replica.named_parameters),
             self.algorithm.describe(),
             self.world_size,
             ", fault tolerant" if worker is not None else "",
         )
 
-    # ---- construction helpers ----------------------------------------
+    # ---- construction steps ------------------------------------------
+    def _keep(
+        self,
+        module: nn.Module,
+        options: Options,
+        torch_keywords: ddp_keywords.Keywords,
+        placement: tuple[Any, Any],
+        buffers: tuple[bool, bool],
+    ) -> None:
+        """The checked settings, as the wrapper's attributes (torch DDP's among them, with torch's values)."""
+        self.module = module
+        self.broadcast_buffers, self._initial_buffers = buffers
+        self.negotiate_grads = options.negotiate_grads
+        self.find_unused_parameters = options.find_unused_parameters
+        self.delay_reduce = options.delay_reduce
+        self.nonfinite = options.nonfinite
+        self.debug = options.debug
+        self.device_ids, self.output_device = placement
+        self.dim = torch_keywords.dim
+        self.init_sync = torch_keywords.init_sync
+        self.skip_all_reduce_unused_params = torch_keywords.skip_all_reduce_unused_params
+        self.static_graph = torch_keywords.static_graph
+        self.gradient_as_bucket_view = torch_keywords.gradient_as_bucket_view
+        self.device = next(iter(module.parameters())).device
+        self.device_type = self.device.type
+        self._reduce_function = options.reduce_function
+        self._broadcast_function = options.broadcast_function or default_broadcast
+        self._require_sync = True
+        self._forwards = 0
+        self._skipped_local = 0
+        self._buffer_sync: Optional[AsyncBroadcast] = None
+        self._step_group: Optional[dist.ProcessGroup] = None
+        self.serial = new_tag("model")
+
+    def _guard(self, worker: Any, options: Options, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Under fault tolerance its policy (its first settle makes the replicas equal); otherwise the
+        collectives that check the ranks agree and make the replicas equal."""
+        self.optimizers = self._core.optimizers
+        if worker is not None:
+            self._core.fault = FaultTolerance(self, worker)
+            self._core.saved_on_host = options.ft_offload
+        if self.process_group is not None and not self._core.fault.active:
+            with self._core.entry("building DataParallel"):
+                self._construct_collectives(named)
+
     def _construct_collectives(self, named: list[tuple[str, nn.Parameter]]) -> None:
         health.start(dist.get_rank(), dist.get_world_size())  # if unison.init() did not (a group made by hand)
         self._check_ranks_agree(named)
