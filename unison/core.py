@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .algorithm_hooks import Hooks, StepClock, StepFn
 from .algorithms import support
 from .algorithms.contract import Algorithm
 from .engine import sparse as sparse_grads
@@ -32,7 +33,6 @@ from .engine.comm import check_same_everywhere
 from .engine.reducer import GradReducer
 from .engine.weak import weak
 from .events import Dispatcher
-from .hooks import Hooks, StepClock, StepFn
 from .replica import Replica
 from .runtime import health
 

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import algorithms as algos
 from . import comm_hook, ddp_keywords, pickling, sharded
+from .algorithm_hooks import eager
 from .algorithms import support
 from .algorithms.support import Context
 from .core import (
@@ -48,7 +49,6 @@ from .engine.averaging import average_optimizer_states, default_reduce
 from .engine.comm import AsyncBroadcast, default_broadcast, raised_everywhere
 from .engine.reducer import GradReducer
 from .fault import FaultTolerance, joining_member
-from .hooks import eager
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
 from .runtime import ending, health, private_group, replica_group
 

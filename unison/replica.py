@@ -6,7 +6,7 @@ optimizers), where it talks (group, rank, world size, node layout, private
 groups), the gradient engine's narrow face, hooks that the wrapper owns and
 removes when the algorithm leaves, and the one definition of when a training
 step ends. Nothing on it is wrapper plumbing: the wrapper runs the hooks and the
-clock (``unison.hooks``) from its own side.
+clock (``unison.algorithm_hooks``) from its own side.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import runtime
+from .algorithm_hooks import Hooks, StepClock, StepFn
 from .engine.buckets import Bucket
 from .engine.reducer import GradReducer
-from .hooks import Hooks, StepClock, StepFn
 
 
 class Wiring(Protocol):

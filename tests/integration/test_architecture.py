@@ -31,7 +31,7 @@ LAYERS = [
     "memory",
     "engine",
     "sharded",
-    "hooks",
+    "algorithm_hooks",
     "replica",
     "algorithms",
     "events",
@@ -287,7 +287,7 @@ def test_the_new_algorithm_example_in_the_docs_runs():
 
 
 #: The shared machinery at the top of algorithms/: everything else is an algorithm in its family's folder.
-MACHINERY = {"__init__", "contract", "options", "state", "schedules", "streaming", "averaging_thread", "support"}
+MACHINERY = {"__init__", "contract", "options", "state", "schedules", "streaming", "support"}
 FAMILIES = {"gradient", "averaging"}
 
 

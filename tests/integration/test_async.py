@@ -14,7 +14,7 @@ from models import MLP, batch
 from scenarios import spread_across_ranks
 
 import unison
-from unison.algorithms import averaging_thread
+from unison.algorithms.averaging import async_rounds
 from unison.algorithms.averaging import asynchronous as async_average
 
 #: A check that waits for something polls until this many seconds have passed.
@@ -161,9 +161,9 @@ def failing_average(*args, **kwargs):
 def train_until_error(model, opt, rank, inject: bool):
     """Train (with the background averaging made to fail if ``inject``) until the
     training thread raises, or DEADLINE_S passes; return the exception or None."""
-    real = averaging_thread.ChunkedRound.launch
+    real = async_rounds.ChunkedRound.launch
     if inject:
-        averaging_thread.ChunkedRound.launch = failing_average
+        async_rounds.ChunkedRound.launch = failing_average
     deadline = time.monotonic() + DEADLINE_S
     try:
         step = 1
@@ -175,7 +175,7 @@ def train_until_error(model, opt, rank, inject: bool):
             step += 1
         return None
     finally:
-        averaging_thread.ChunkedRound.launch = real
+        async_rounds.ChunkedRound.launch = real
 
 
 def errors_surface(rank, world):

@@ -9,7 +9,7 @@ different moments, and the thread holds two chunks' snapshots and wire buffers,
 never a copy of the model.
 Every optimizer step holds a lock the thread takes to read and write the
 parameters; the thread's errors are raised in the training thread (the thread
-itself is ``averaging_thread``). See docs/algorithms.md#async.
+itself is ``async_rounds``). See docs/algorithms.md#async.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
 from ...runtime import collective_timeout
 from .. import options
-from ..averaging_thread import SLOTS, AveragingThread, ChunkedRound
 from ..contract import FSDP2, Algorithm, Recovery
 from ..schedules import CountedState, StepCount
+from .async_rounds import SLOTS, AveragingThread, ChunkedRound
 
 #: How long the thread waits for the other ranks when unison.init() was given no timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)

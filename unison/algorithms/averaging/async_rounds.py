@@ -24,9 +24,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..engine import comm
-from ..engine.flat import kind, split
-from ..engine.hierarchy import TwoLevel
+from ...engine import comm
+from ...engine.flat import kind, split
+from ...engine.hierarchy import TwoLevel
 
 #: Longest pause between two checks of an average in flight.
 POLL_MAX_S = 0.002
