@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import torch_private
+
 #: The registration form torch DDP's method has, and the one pytorch-pfn-extras' has.
 TORCH, PFN = "torch", "pfn"
 
@@ -105,7 +107,7 @@ class FutureChecked:
 
     def __call__(self, state: Any, bucket: Any) -> Any:
         future = self.hook(state, bucket)
-        if not isinstance(future, torch._C.Future):  # torch.futures.Future, or a Work's get_future()
+        if not torch_private.is_future(future):  # torch.futures.Future, or a Work's get_future()
             kind = type(future)
             raise RuntimeError(
                 "DDP communication hook's callback must return a torch.futures.Future object, "

@@ -17,7 +17,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from . import torch_private
 
 _DELAYED = (
     "delaying some parameters' allreduce to another parameter's gradient hook is not supported; "
@@ -237,4 +238,4 @@ def refuse_positional_device_ids(optimizer: Any) -> None:
 
 def moved(tree: Any, device: torch.device) -> Any:
     """Every tensor in ``tree`` on ``device`` (torch DDP moves inputs to ``device_ids[0]``)."""
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+    return torch_private.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from . import torch_private
 from .engine.codecs import halfcast
 from .engine.comm import ring_bytes
 
@@ -53,7 +53,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def local_state(obj: Any) -> Any:
     """``obj`` (dicts, lists, tuples) with every DTensor replaced by its local shard: a module's or
     an optimizer's state over FSDP2 as plain tensors, that a heal sends point to point."""
-    return tree_map(lambda t: local(t) if isinstance(t, torch.Tensor) else t, obj)
+    return torch_private.tree_map(lambda t: local(t) if isinstance(t, torch.Tensor) else t, obj)
 
 
 def as_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def check(module: nn.Module, device_mesh: Any) -> bool:
             f"parameter {sharded[0]!r} is a DTensor (the module is sharded), so DataParallel needs the mesh "
             f"dimension it runs across: {_HOW}; or shard over unison.node_mesh() and leave device_mesh out"
         )
-    root = None if device_mesh is None else device_mesh._get_root_mesh()
+    root = None if device_mesh is None else torch_private.root_mesh(device_mesh)
     for name, p in named:
         mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
         if mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in placements):
@@ -121,7 +121,7 @@ def check(module: nn.Module, device_mesh: Any) -> bool:
             )
         if device_mesh is None:
             continue  # every parameter on the node's mesh (on_node_mesh)
-        if mesh._get_root_mesh() is not root or mesh.mesh_dim_names == device_mesh.mesh_dim_names:
+        if torch_private.root_mesh(mesh) is not root or mesh.mesh_dim_names == device_mesh.mesh_dim_names:
             raise ValueError(
                 f"parameter {name!r} is sharded over mesh {mesh}, which is not another dimension of the mesh "
                 f"device_mesh={device_mesh} was taken from: {_HOW}"

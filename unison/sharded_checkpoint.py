@@ -31,13 +31,13 @@ import os
 import shutil
 import sys
 import uuid
-from collections import OrderedDict
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import torch_private
 from .data import ShardSampler
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects
 from .engine.snapshot import read_agreed, rng_states, set_rng_states, to_cpu
@@ -248,7 +248,7 @@ def _states(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], pref
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state: dict[str, Any] = {f"{prefix}model": get_model_state_dict(module)}
-    with _step_hooks_held(optimizers):
+    with torch_private.step_hooks_held(optimizers):
         for i, opt in enumerate(optimizers):
             state[f"{prefix}optimizer.{i}"] = get_optimizer_state_dict(module, opt)
     return state
@@ -274,25 +274,10 @@ def _restore(
         model.load_state_dict({**weights, ALGORITHM_KEY: entry} if ours else weights, strict=strict)
     else:
         module.load_state_dict(weights, strict=strict)
-    with _step_hooks_held(optimizers):
+    with torch_private.step_hooks_held(optimizers):
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"{prefix}optimizer.{i}"])
     set_rng_states(mine["rng"])
-
-
-@contextlib.contextmanager
-def _step_hooks_held(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
-    """Hold off the optimizers' step hooks: ``get_``/``set_optimizer_state_dict`` give an optimizer
-    without state its state by a step of lr 0 on zero gradients, which DataParallel's hooks would
-    take for a training step (count it, average on it)."""
-    held = [(opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
-    for opt in optimizers:
-        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-    try:
-        yield
-    finally:
-        for opt, (pre, post) in zip(optimizers, held):
-            opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = pre, post
 
 
 def _algorithm_state(model: nn.Module) -> Optional[dict[str, Any]]:
@@ -321,7 +306,7 @@ def _layout(module: nn.Module) -> dict[str, Any]:
         topo = topology()
         nodes = [topo.node_ranks(n) for n in range(topo.num_nodes)]
         return {"world_size": dist.get_world_size(), "mesh": nodes, "names": ("node", *mesh.mesh_dim_names)}
-    mesh = mesh._get_root_mesh()
+    mesh = torch_private.root_mesh(mesh)
     return {"world_size": dist.get_world_size(), "mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names}
 
 

@@ -37,10 +37,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from .. import torch_private
 from ..runtime import health
 from . import buckets as bucketing
 from . import comm, nonfinite
@@ -349,7 +348,7 @@ class GradReducer:
     def watch(self, output: Any) -> None:
         """Hook the forward's outputs so the end-of-backward callback is queued on
         the outermost backward (reentrant checkpointing runs inner ones)."""
-        for t in tree_flatten(output)[0]:
+        for t in torch_private.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(weak(self._on_output_grad))  # the graph the user keeps holds no engine
 
@@ -365,7 +364,7 @@ class GradReducer:
             self._begin()
         else:
             self._local_sync = self._sync
-            Variable._execution_engine.queue_callback(self._end_pass)
+            torch_private.at_backward_end(self._end_pass)
 
     def _decide(self) -> bool:
         """Whether this pass synchronizes (asked once per pass). When the algorithm has stopped
@@ -420,7 +419,7 @@ class GradReducer:
         for fn in self.on_begin:
             fn()
         if queue:
-            Variable._execution_engine.queue_callback(self._finalize)
+            torch_private.at_backward_end(self._finalize)
 
     def _on_grad(self, i: int) -> None:
         if not self._in_pass:

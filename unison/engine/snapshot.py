@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import torch_private
 from .comm import all_gather_objects
 
 
@@ -31,8 +32,7 @@ def to_cpu(obj: Any) -> Any:
         return obj.detach().cpu()
     if isinstance(obj, dict):
         out = type(obj)((k, to_cpu(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # module state dicts' versions, which load_state_dict reads
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        torch_private.copy_state_metadata(obj, out)  # module state dicts' versions, which load_state_dict reads
         return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .. import torch_private
 from ..runtime import membership
 from ..runtime.health import RankFailure
 from .messages import post, process_stat, ring, unring
@@ -227,7 +228,7 @@ def build_world(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except RuntimeError:
         if not dist.is_initialized():
-            dist.distributed_c10d._world.group_count = 0
+            torch_private.reset_group_count()
         raise
 
 
@@ -653,9 +654,7 @@ _member: Optional[Member] = None
 
 def _backstop(group: Any) -> None:
     """Give a group built with the short rendezvous timeout the backstop timeout of its collectives."""
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is not None:
-        set_timeout(GROUP_TIMEOUT, group)
+    torch_private.set_group_timeout(group, GROUP_TIMEOUT)
 
 
 def active() -> Optional[Member]:

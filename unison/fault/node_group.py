@@ -15,12 +15,9 @@ from __future__ import annotations
 import datetime
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
-#: The registries of ``torch.distributed``'s world that hold a group by its object.
-_REGISTRIES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
+from .. import torch_private
 
 
 class NodeGroup:
@@ -45,35 +42,14 @@ class NodeGroup:
     def detach(self) -> None:
         """Take the group out of torch's registries, before the default group is destroyed (which
         shuts down and forgets every group registered)."""
-        if self._saved is not None:
-            return
-        world = c10d._world
-        saved = {}
-        for registry in _REGISTRIES:
-            held = getattr(world, registry)
-            if self.group in held:
-                saved[registry] = held.pop(self.group)
-        tag = saved.get("pg_to_tag")
-        for key in (tag, ""):
-            if key is not None and self.group in world.tags_to_pg.get(key, []):
-                world.tags_to_pg[key].remove(self.group)
-        c10d._unregister_process_group(self.group.group_name)
-        self._saved = saved
+        if self._saved is None:
+            self._saved = torch_private.unregister_group(self.group)
 
     def attach(self) -> None:
         """Put the group back into torch's registries once a new default group is built, with
         the node's global ranks in it (this process's rank minus its local rank, onwards)."""
         if self._saved is None:
             return
-        world, saved = c10d._world, self._saved
         first = dist.get_rank() - self.local_rank
-        saved["pg_group_ranks"] = {first + i: i for i in range(self.local_world_size)}
-        for registry, value in saved.items():
-            getattr(world, registry)[self.group] = value
-        tag = saved.get("pg_to_tag")
-        if tag is not None:
-            world.tags_to_pg.setdefault(tag, []).append(self.group)
-            if tag.startswith("ptd:"):
-                world.tags_to_pg.setdefault("", []).append(self.group)
-        torch._C._distributed_c10d._register_process_group(self.group.group_name, self.group)
+        torch_private.register_group(self.group, self._saved, {first + i: i for i in range(self.local_world_size)})
         self._saved = None

@@ -41,6 +41,8 @@ from unison.engine.averaging import average_
 from unison.engine.comm import default_broadcast, gather_objects
 from unison.parallel import ALGORITHM_KEY
 
+from .. import torch_private
+
 __all__ = ["UnisonStrategy"]
 
 # The key of unison's part of a Lightning checkpoint, and its format version.
@@ -541,8 +543,7 @@ def _averaged(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     everything else rank 0's (what ``model.average()`` makes of the replicas)."""
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     out = type(state)((name, v.detach().clone() if isinstance(v, Tensor) else v) for name, v in state.items())
-    if hasattr(state, "_metadata"):
-        out._metadata = state._metadata  # type: ignore[attr-defined]
+    torch_private.copy_state_metadata(state, out)
     tensors = [(name, v) for name, v in out.items() if isinstance(v, Tensor)]
     mean = [v for name, v in tensors if name in params and v.is_floating_point()]
     first = [v for name, v in tensors if not (name in params and v.is_floating_point())]

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from .. import torch_private
+
 #: Seconds between two heartbeats; a rank silent for STALE_AFTER heartbeats is named.
 INTERVAL_S = 0.5
 STALE_AFTER = 3
@@ -83,7 +85,7 @@ def start(rank: int, world: int) -> None:
     if _heartbeat is not None or world < 2:
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = torch_private.default_store()
     except Exception:  # a group without a store: errors stay gloo's own
         return
     _heartbeat = Heartbeat(store, rank, world)

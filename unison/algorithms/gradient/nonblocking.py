@@ -20,10 +20,10 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
-import torch.utils._pytree
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
+from ... import torch_private
 from ...replica import Replica
 from ..contract import Recovery
 from .allreduce import AllReduceState, BucketAllReduce
@@ -50,7 +50,7 @@ class _FirstUses(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.unseen:
-            for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]:
+            for t in torch_private.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and id(t) in self.unseen:
                     self.unseen.discard(id(t))
                     self.first[id(t)] = self.where()
@@ -217,7 +217,7 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
             if todo:
                 self._step_only(state, opt, pending, todo)
                 if torch.is_grad_enabled():  # in a forward: later reads see the update, earlier ones did not
-                    at = torch._C._autograd._get_sequence_nr()
+                    at = torch_private.sequence_nr()
                     state.applied.update((id(p), at) for p in todo)
             if len(pending.done) == len(mine):
                 del state.pending[id(opt)]
@@ -270,7 +270,7 @@ class NonBlocking(BucketAllReduce[NonBlockingState]):
 def _first_reads(output: Any) -> dict[int, int]:
     """For each parameter (autograd leaf) ``output`` was computed from: id -> the sequence
     number of the first op that read it (autograd numbers the ops of a thread in order)."""
-    tensors = torch.utils._pytree.tree_flatten(output)[0]
+    tensors = torch_private.tree_leaves(output)
     stack: list[Any] = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
     first: dict[int, int] = {}
@@ -279,7 +279,7 @@ def _first_reads(output: Any) -> dict[int, int]:
         if fn in seen:
             continue
         seen.add(fn)
-        at = fn._sequence_nr()
+        at = torch_private.node_sequence_nr(fn)
         for nxt, _ in fn.next_functions:
             if nxt is None:
                 continue

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ... import torch_private
 from .schedule import WHOLE, schedule_for
 
 CPU = torch.device("cpu")
@@ -34,10 +35,11 @@ def view_of(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         return first.unsqueeze(0) if first.is_contiguous() else None
     step = tensors[1].storage_offset() - first.storage_offset()
     offset = first.storage_offset()
-    if first._base is None or step < first.numel():
+    base = torch_private.view_base(first)
+    if base is None or step < first.numel():
         return None
     for j, t in enumerate(tensors):
-        if t._base is not first._base or not t.is_contiguous() or t.storage_offset() != offset + j * step:
+        if torch_private.view_base(t) is not base or not t.is_contiguous() or t.storage_offset() != offset + j * step:
             return None
     return first.as_strided((len(tensors), *first.shape), (step, *first.stride()))
 
