@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import torch_private
+from .runtime import torch_private
 
 #: The registration form torch DDP's method has, and the one pytorch-pfn-extras' has.
 TORCH, PFN = "torch", "pfn"

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import torch_private
+from .runtime import torch_private
 
 _DELAYED = (
     "delaying some parameters' allreduce to another parameter's gradient hook is not supported; "

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import torch_private
 from .engine.codecs import halfcast
 from .engine.comm import ring_bytes
+from .runtime import torch_private
 
 _HOW = (
     "shard the model with fully_shard(block, mesh=mesh['shard']) for its blocks and the root, and pass "

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import torch_private
 from .data import ShardSampler
 from .engine.comm import all_gather_objects, broadcast_object, gather_objects
 from .engine.snapshot import read_agreed, rng_states, set_rng_states, to_cpu
 from .parallel import ALGORITHM_KEY, DataParallel
+from .runtime import torch_private
 from .sharded import is_dtensor
 
 FORMAT = "unison.sharded_checkpoint"

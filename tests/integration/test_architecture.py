@@ -24,7 +24,6 @@ ALGORITHMS = PACKAGE / "algorithms"
 # unison/ is in one (test_every_module_has_a_layer): the package's own __init__ (the public API) and
 # __main__ (the command line) sit above them all.
 LAYERS = [
-    "torch_private",
     "runtime",
     "data",
     "ddp_keywords",
@@ -165,7 +164,7 @@ def test_the_upward_import_is_data():
     assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
-# Private attributes of torch's that unison reads on purpose, each in unison/torch_private.py and
+# Private attributes of torch's that unison reads on purpose, each in unison/runtime/torch_private.py and
 # nowhere else (its functions say why, and test_torch_private.py fails when torch drops one).
 TORCH_PRIVATE = {
     "_C",

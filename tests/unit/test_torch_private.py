@@ -1,4 +1,4 @@
-"""Every private name of torch's that unison reads (unison/torch_private.py) exists in the installed
+"""Every private name of torch's that unison reads (unison/runtime/torch_private.py) exists in the installed
 torch: when a release drops one, this fails naming the function that reads it and what it is for,
 before any training does."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from unison import torch_private
+from unison.runtime import torch_private
 
 
 def _missing(function: str) -> str:
     doc = getattr(torch_private, function).__doc__ or ""
     return (
-        f"torch {torch.__version__} lacks what unison.torch_private.{function} reads; what it does and its "
+        f"torch {torch.__version__} lacks what unison.runtime.torch_private.{function} reads; what it does and its "
         f"public alternative: {' '.join(doc.split())}"
     )
 

@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from .. import torch_private
-from ..runtime import health
+from ..runtime import health, torch_private
 from . import buckets as bucketing
 from . import comm, nonfinite
 from . import sparse as sparse_grads

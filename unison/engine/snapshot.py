@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import torch_private
+from ..runtime import torch_private
 from .comm import all_gather_objects
 
 

@@ -31,8 +31,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .. import torch_private
-from ..runtime import membership
+from ..runtime import membership, torch_private
 from ..runtime.health import RankFailure
 from .messages import post, process_stat, ring, unring
 from .node_group import NodeGroup

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .. import torch_private
+from ..runtime import torch_private
 
 
 class NodeGroup:

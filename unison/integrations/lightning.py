@@ -41,7 +41,7 @@ from unison.engine.averaging import average_
 from unison.engine.comm import default_broadcast, gather_objects
 from unison.parallel import ALGORITHM_KEY
 
-from .. import torch_private
+from ..runtime import torch_private
 
 __all__ = ["UnisonStrategy"]
 

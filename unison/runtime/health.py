@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .. import torch_private
+from . import torch_private
 
 #: Seconds between two heartbeats; a rank silent for STALE_AFTER heartbeats is named.
 INTERVAL_S = 0.5

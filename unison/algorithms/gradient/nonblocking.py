@@ -23,8 +23,8 @@ import torch
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
-from ... import torch_private
 from ...replica import Replica
+from ...runtime import torch_private
 from ..contract import Recovery
 from .allreduce import AllReduceState, BucketAllReduce
 

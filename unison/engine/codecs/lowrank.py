@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ... import torch_private
+from ...runtime import torch_private
 from .schedule import WHOLE, schedule_for
 
 CPU = torch.device("cpu")

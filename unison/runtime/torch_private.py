@@ -8,7 +8,7 @@ installed torch lacks one (``PRIVATES`` lists what each reads). Outside this mod
 no private name of torch's (``tests/integration/test_architecture.py`` checks), save the
 multi-tensor ops ``torch._foreach_*``, the kernels torch.optim itself runs on.
 
-This module imports nothing of unison: every layer may use it.
+It imports nothing of unison, and sits in the runtime, the lowest layer: every layer may use it.
 """
 
 from __future__ import annotations
