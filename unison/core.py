@@ -206,7 +206,9 @@ class Core:
         bucket_cap_mb: the gradient bucket size, in MiB.
         requires_grad: per parameter, whether it is trained, where the tensors cannot say
             (FSDP2's local shards; ``Replica``).
-        fsdp2: the parameters are FSDP2's local shards (``support.check`` refuses what is not built there).
+        context: what the model and the wrapper ask of any algorithm (fault tolerance, FSDP2's
+            local shards, sparse gradients): the one ``support.check`` reads at construction,
+            kept for ``switch_to`` to check against.
         optimizers, around_steps: optimizers registered at once (``add_optimizer``), with the
             ``(before, after)`` callables of their steps.
 
@@ -228,7 +230,7 @@ class Core:
         broadcast_buffers: bool = True,
         bucket_cap_mb: float = 25,
         requires_grad: Optional[Sequence[bool]] = None,
-        fsdp2: bool = False,
+        context: Optional[support.Context] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         around_steps: Optional[tuple[StepFn, StepFn]] = None,
     ) -> None:
@@ -260,8 +262,7 @@ class Core:
         self.fault: FaultPolicy = NoFaultTolerance()
         #: Keep the saved local gradients fault tolerance redoes a round from on the host (``ft_offload``).
         self.saved_on_host = False
-        #: The parameters are FSDP2's local shards: algorithms not built over them are refused.
-        self.fsdp2 = fsdp2
+        self.context = context or support.Context()
         for optimizer in optimizers:
             if around_steps is None:
                 raise ValueError("optimizers need around_steps: what to call before and after each of their steps")
@@ -320,21 +321,19 @@ class Core:
         return self.dispatcher
 
     @property
-    def context(self) -> support.Context:
-        """What this model and wrapper ask of any algorithm: fault tolerance, FSDP2's shards, sparse gradients."""
-        return support.Context(
-            self.fault.active, self.fsdp2, sparse_parameter(self.replica.trainable, self.replica.modules)
-        )
+    def fsdp2(self) -> bool:
+        """The parameters are FSDP2's local shards."""
+        return self.context.fsdp2
 
     def refuse_unsupported(self, algorithm: Algorithm[Any]) -> None:
-        """Raise if ``algorithm`` cannot run here (``support.check`` in this wrapper's context, as at its
-        construction): before it starts, or before ``switch_to`` stops the running one. The model is
-        the same on every rank, so every rank raises."""
+        """Raise if ``algorithm`` cannot run here (``support.check`` in the context the wrapper was
+        built in): before ``switch_to`` stops the running one. The model is the same on every rank,
+        so every rank raises."""
         support.check(algorithm, self.context)
 
     def start(self) -> Dispatcher:
-        """Set the algorithm up on the replica (its ``setup`` event)."""
-        self.refuse_unsupported(self.algorithm)
+        """Set the algorithm up on the replica (its ``setup`` event). What it supports was checked
+        before (at construction, or by ``switch_to``)."""
         self.dispatcher = Dispatcher(self.algorithm, self.replica)
         logger.debug("%s: algorithm %s on %d rank(s)", self.tag, self.algorithm.describe(), self.replica.world_size)
         return self.dispatcher

@@ -276,7 +276,8 @@ class DataParallel(nn.Module):
                 ft_offload=ft_offload,
             )
             fsdp2 = sharded.check(module, torch_keywords.device_mesh)
-            support.check(algorithm, _context(module, options, fsdp2))  # switch_to checks against the same
+            context = _context(module, options, fsdp2)
+            support.check(algorithm, context)  # switch_to checks against the same (the Core keeps it)
             if fsdp2:
                 custom = "reduce_function" if options.reduce_function is not None else None
                 custom = "broadcast_function" if options.broadcast_function is not None else custom
@@ -296,7 +297,7 @@ class DataParallel(nn.Module):
             broadcast_buffers=self.broadcast_buffers,
             bucket_cap_mb=options.bucket_cap_mb,
             requires_grad=requires_grad,
-            fsdp2=fsdp2,
+            context=context,
             optimizers=_optimizers(optimizer),
             around_steps=(weak(self._before_step), weak(self._after_step)),
         )
