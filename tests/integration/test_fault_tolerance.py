@@ -438,6 +438,39 @@ def test_a_stopped_worker_is_evicted_and_never_rejoins_an_old_membership(tmp_pat
     assert len(failures) == 1 and "evicted" in failures[0]["message"]
 
 
+def test_a_stopped_worker_s_eviction_ends_the_async_rounds_waiting_on_it(tmp_path):
+    """A SIGSTOPped worker keeps its sockets open: the survivors' averaging threads, inside a round
+    with it, get no error from gloo. They must end that round when the membership moves (the
+    eviction), or the survivors' regroup waits for them (it stops the thread) until the job's timeout."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "3", *PRELOAD, str(SCRIPT)]
+    cmd += ["--out", str(out), "--steps", "60", "--algorithm", "async", "--stop", "1@10", "--average-at-end"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + LIMIT_S
+        while not (out / "stopped").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        stopped_at = float((out / "stopped").read_text())
+        victim = _pid_of(out, "1")
+        # The victim stays stopped (its sockets open) until both survivors have written their results.
+        while len(results(out)) < 2 and time.time() < deadline - 15 and launcher.poll() is None:
+            time.sleep(0.1)
+        finished = time.time()
+        os.kill(victim, signal.SIGCONT)
+        _, err = launcher.communicate(timeout=max(1.0, deadline - time.time()))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    found = results(out)
+    assert sorted(found) == [0, 2], err[-3000:]
+    first, second = found[0], found[2]
+    assert first["step"] == second["step"] == 60
+    assert first["w"] == pytest.approx(second["w"], abs=1e-6)
+    assert finished - stopped_at < 30, err[-3000:]  # not held until a backstop timeout
+
+
 def test_when_the_coordinator_dies_every_worker_raises_rank_failure(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

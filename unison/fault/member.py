@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..runtime import membership, torch_private
 from ..runtime.health import RankFailure
+from ..runtime.membership import MembershipChanged
 from .messages import post, process_stat, ring, unring
 from .node_group import NodeGroup
 
@@ -203,10 +204,6 @@ def _abort(group: Any) -> None:
         abort()
     except Exception:  # nothing to cut, or not supported by this backend: destruction still follows
         pass
-
-
-class MembershipChanged(RuntimeError):
-    """The job's membership changed while this worker waited on a collective of the old one."""
 
 
 def build_world(

@@ -17,6 +17,10 @@ import os
 from typing import Any, Callable, Optional, Protocol
 
 
+class MembershipChanged(RuntimeError):
+    """The job's membership changed while this worker waited on a collective of the old one."""
+
+
 class Membership(Protocol):
     """What the runtime and the engine ask of a fault-tolerant job's membership: this process's
     place in it (its worker id, the members' ids in rank order, its node's layout) and three calls."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ...engine import comm
 from ...engine.flat import kind, split
 from ...engine.hierarchy import TwoLevel
+from ...runtime import membership
 
 #: Longest pause between two checks of an average in flight.
 POLL_MAX_S = 0.002
@@ -194,7 +195,12 @@ class AveragingThread(threading.Thread):
         work = comm.start(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=s.group)
         s.bytes_sent += comm.ring_bytes(flag.element_size(), self.world)
         try:
-            work.wait(timeout=s.timeout)
+            if membership.current() is not None:
+                comm.wait(work)  # polled with the membership (see _wait)
+            else:
+                work.wait(timeout=s.timeout)
+        except membership.MembershipChanged:
+            raise
         except RuntimeError as exc:
             raise RuntimeError(
                 f"the exchange that starts averaging round {s.rounds + 1} failed: another rank has exited, or its "
@@ -232,10 +238,15 @@ class AveragingThread(threading.Thread):
 
     def _wait(self, pending: Launched) -> None:
         """Wait for the average, or raise once the timeout has passed (a rank whose thread
-        failed before sending its part would otherwise keep this one waiting)."""
+        failed before sending its part would otherwise keep this one waiting).
+
+        Under fault tolerance the wait is polled with the membership (``comm.wait``): a peer that
+        stopped keeps its sockets open, and gloo would never fail the round; the thread ends with
+        ``MembershipChanged`` once the peer's eviction is published, and the regroup, which stops
+        this thread, is not held up to the groups' backstop timeout."""
         s = self.state
         deadline, pause = time.monotonic() + s.timeout.total_seconds(), 1e-4
-        while not pending.is_completed():
+        while membership.current() is None and not pending.is_completed():
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"averaging round {s.rounds + 1} did not complete within {s.timeout}: "
@@ -245,6 +256,8 @@ class AveragingThread(threading.Thread):
             pause = min(2 * pause, POLL_MAX_S)
         try:
             pending.wait()
+        except membership.MembershipChanged:
+            raise
         except RuntimeError as exc:
             raise RuntimeError(f"averaging round {s.rounds + 1} failed: another rank has exited. {exc}") from exc
 

@@ -26,7 +26,7 @@ from ...engine import comm
 from ...engine.buckets import MB
 from ...engine.hierarchy import TwoLevel
 from ...replica import Replica
-from ...runtime import collective_timeout
+from ...runtime import collective_timeout, membership
 from .. import options
 from ..contract import FSDP2, Algorithm, Recovery
 from ..schedules import CountedState, StepCount
@@ -188,6 +188,8 @@ class AsyncModelAverage(Algorithm[AsyncState]):
         """Stop the thread for good (the other ranks' stop at the same round)."""
         state.collect(stop=True)
         state.may_run = False
+        if state.failure is not None and isinstance(state.failure[0], membership.MembershipChanged):
+            state.failure = None  # the regroup that tears it down is the answer to it
         if state.failure is not None:
             warnings.warn(
                 f"'async' was torn down with an unreported error from its averaging thread:\n{state.failure[1]}",
