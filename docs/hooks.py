@@ -66,6 +66,7 @@ GROUPS = [
     ("Data: `ShardSampler`, `sharded_loader`", ("data.py",)),
     ("Checkpoints: `unison.save`, `unison.load`", ("checkpoint.py",)),
     ("Fault tolerance: `fault_tolerant=True`, `unison launch`", ("fault/", "runtime/")),
+    ("Hugging Face: `UnisonTrainer`, `UnisonAccelerator`", ("integrations/huggingface/",)),
     ("Lightning: `UnisonStrategy`", ("integrations/",)),
     ("Migrating: the HeAT, Bagua and torch layers", ("compat/",)),
     ("The command line: `unison train`, `unison bench`", ("apps/",)),

@@ -26,6 +26,7 @@ RUNS = {
     "heat_migration.py": ("torchrun", []),
     "fault_tolerant.py": ("unison launch", ["--epochs", "1"]),
     "lightning_classifier.py": ("python", ["--max-epochs", "1"]),
+    "huggingface_trainer.py": ("torchrun", ["--steps", "40"]),
     "sharded.py": ("torchrun", ["--nodes", "2", "--epochs", "2"]),
     "sharded_fault_tolerant.py": ("unison launch", ["--epochs", "2"]),
 }
@@ -110,6 +111,16 @@ def test_lightning_classifier(tmp_path):
     # The two processes share stdout, so their lines may interleave.
     weights = re.findall(r"rank \d: first weight (-?\d+\.\d+)", proc.stdout)
     assert len(weights) == 2 and weights[0] == weights[1], proc.stdout  # one model on both ranks
+
+
+def test_huggingface_trainer(tmp_path):
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("needs transformers and accelerate")
+    proc = run_example("huggingface_trainer.py", tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\d+\.\d+) unison sent [1-9]\d* bytes$", proc.stdout, re.M)]
+    assert len(losses) == 2 and losses[1] < losses[0], proc.stdout  # rank 0 only, and it learns
+    assert re.search(r"^step 40 eval loss \d+\.\d+$", proc.stdout, re.M), proc.stdout
 
 
 def test_sharded_trains_fsdp2_inside_nodes_and_diloco_across(tmp_path):
