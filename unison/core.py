@@ -14,6 +14,7 @@ the construction check's wording are here once too.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from .algorithms.contract import Algorithm
 from .engine import sparse as sparse_grads
 from .engine.buckets import MB
 from .engine.comm import check_same_everywhere
-from .engine.reducer import GradReducer
+from .engine.reducer import Callbacks, GradReducer, Layout, Redo, Sync
 from .engine.weak import weak
 from .events import Dispatcher
 from .replica import Replica
@@ -399,7 +400,8 @@ class Core:
         sparse_params: Iterable[torch.Tensor] = (),
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
-        **options: Any,
+        sync: Optional[Sync] = None,
+        callbacks: Optional[Callbacks] = None,
     ) -> GradReducer:
         """The gradient engine over the trainable parameters. Under fault tolerance it keeps
         each pass's local gradients, to redo an interrupted round.
@@ -408,32 +410,33 @@ class Core:
             group: the group gradients are averaged over (None: one replica).
             sparse_params: parameters that get sparse gradients, besides those found in
                 the modules (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``).
-            static_graph, gradient_as_bucket_view: torch DDP's meanings (``GradReducer``).
-            options: GradReducer's other options.
+            static_graph, gradient_as_bucket_view: torch DDP's meanings (``reducer.Layout``).
+            sync, callbacks: when a pass synchronizes, and what the owner adds to it
+                (``reducer.Sync``, ``reducer.Callbacks``).
 
         Raises ValueError naming the parameter when some get sparse gradients and the
         algorithm cannot reduce them (``sparse_gradients = False``), the same on every rank.
         """
         self.remove_reducer()
+        sync, callbacks = sync or Sync(), callbacks or Callbacks()
         if self.fault.active:
             # A round's outcome must be known before its step is committed: completion is not deferred
             # (nonblocking still applies each layer's update at the next forward).
-            options["defers_completion"] = False
+            sync = dataclasses.replace(sync, defers_completion=False)
         trainable = self.replica.trainable
         sparse = sparse_positions(trainable, self.replica.modules, sparse_params)
+        layout = Layout(int(self.bucket_cap_mb * MB), sparse, static_graph, gradient_as_bucket_view)
+        redo = Redo(self._recover_gradients if self.fault.active else None, self.saved_on_host)
         self.reducer = GradReducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
             group,
             self.events,
-            bucket_cap_bytes=int(self.bucket_cap_mb * MB),
-            tag=self.tag,
-            recover=self._recover_gradients if self.fault.active else None,
-            local_on_host=self.saved_on_host,
-            sparse=sparse,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            **options,
+            self.tag,
+            layout,
+            sync,
+            callbacks,
+            redo,
         )
         return self.reducer
 

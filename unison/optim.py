@@ -31,6 +31,7 @@ from .core import (
     sparse_parameter,
 )
 from .engine.comm import default_broadcast
+from .engine.reducer import Sync
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
@@ -218,7 +219,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._core.replica.named_parameters = self._named_params()
         if self.process_group is None or not self._core.replica.trainable:
             return
-        self._core.build_reducer(self.process_group, sparse_params=self._sparse, decide_sync=self._decide_sync)
+        self._core.build_reducer(
+            self.process_group, sparse_params=self._sparse, sync=Sync(decide_sync=self._decide_sync)
+        )
         self._passes = 0
 
     def _decide_sync(self) -> bool:

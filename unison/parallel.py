@@ -47,7 +47,7 @@ from .debug import check_step_agrees
 from .engine import nonfinite as nonfinite_
 from .engine.averaging import average_optimizer_states, default_reduce
 from .engine.comm import AsyncBroadcast, default_broadcast, raised_everywhere
-from .engine.reducer import GradReducer
+from .engine.reducer import Callbacks, GradReducer, Sync
 from .fault import FaultTolerance, joining_member
 from .join import STEP, CoreJoinHook, Join, JoinHook, forward_code
 from .runtime import ending, health, private_group, replica_group
@@ -415,15 +415,19 @@ class DataParallel(nn.Module):
         has_buffers = self.broadcast_buffers and group is not None and any(True for _ in self.module.buffers())
         return self._core.build_reducer(
             group,
-            negotiate=self.negotiate_grads,
-            delay=self.delay_reduce,
-            reduce_function=self._reduce_function,
-            nonfinite=self.nonfinite,
-            on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
-            on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
-            defers_completion=self.algorithm.defers_completion,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            sync=Sync(
+                negotiate=self.negotiate_grads,
+                delay=self.delay_reduce,
+                nonfinite=self.nonfinite,
+                defers_completion=self.algorithm.defers_completion,
+            ),
+            callbacks=Callbacks(
+                self._reduce_function,
+                on_begin=[weak(self._start_buffer_sync)] if has_buffers else [],
+                on_end=[weak(self._finish_buffer_sync)] if has_buffers else [],
+            ),
         )
 
     @property

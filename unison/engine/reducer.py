@@ -32,6 +32,7 @@ it when the backward's reductions are complete.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -99,6 +100,81 @@ class GradBucket:
         return self._last
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a pass's gradients go.
+
+    Attributes:
+        bucket_cap_bytes: the size of a bucket (the first is at most 1 MiB).
+        sparse: positions (in the reducer's ``params``) of the parameters whose gradients are
+            sparse; they are kept out of the buckets and summed with a sparse allreduce. A sparse
+            gradient anywhere else raises, naming the parameter.
+        static_graph: the same parameters get gradients in every backward: which ones is agreed
+            on in the first synchronized pass only, and the has-a-gradient allreduce is skipped
+            after it (torch DDP's ``static_graph``).
+        gradient_as_bucket_view: parameters' ``.grad`` are views of the buckets (no copy). With
+            False each ``.grad`` stays a tensor of its own, into which the average is copied once
+            its bucket is reduced (torch DDP's default; one more copy of the gradients in memory).
+    """
+
+    bucket_cap_bytes: int
+    sparse: Sequence[int] = ()
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """When a pass synchronizes, and what it waits for.
+
+    Attributes:
+        negotiate: agree each pass on which parameters have a gradient somewhere.
+        delay: reduce after backward instead of overlapping with it.
+        nonfinite: None, "raise" or "skip" (``DataParallel(nonfinite=...)``).
+        decide_sync: asked once per pass instead of the forward's no_sync state
+            (DistributedOptimizer counts passes with it).
+        defers_completion: leave reductions in flight at the end of backward (the algorithm
+            completes them later through ``complete``).
+    """
+
+    negotiate: bool = True
+    delay: bool = False
+    nonfinite: Optional[str] = None
+    decide_sync: Optional[Callable[[], bool]] = None
+    defers_completion: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Callbacks:
+    """What the owner adds to a pass.
+
+    Attributes:
+        reduce_function: ``fn(tensors, group)`` replacing the algorithm's reduction.
+        on_begin, on_end: called when a synchronized pass begins and when its flags are settled
+            (buffer broadcasts).
+    """
+
+    reduce_function: Optional[Callable] = None
+    on_begin: Sequence[Callable[[], None]] = ()
+    on_end: Sequence[Callable[[], None]] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Redo:
+    """What fault tolerance needs to redo an interrupted round.
+
+    Attributes:
+        recover: ``fn(exc, reducer)`` called when the end of backward raises; True if it
+            recovered. With it, each pass keeps a copy of this rank's gradients in ``local``
+            (parameter index -> gradient, before scaling) to redo the round from.
+        local_on_host: keep ``local`` in host memory (pinned under CUDA), not on the parameters'
+            device (``DataParallel(ft_offload=True)``).
+    """
+
+    recover: Optional[Callable[[BaseException, "GradReducer"], bool]] = None
+    local_on_host: bool = False
+
+
 class GradReducer:
     """Buckets, hooks and the per-backward state machine of gradient averaging.
 
@@ -108,34 +184,15 @@ class GradReducer:
         dispatcher: answers ``sync_gradients()``, ``grad_scale(world)``, ``lets_buckets_go()``,
             ``reduce_bucket(bucket, group)``, ``bucket_wire_bytes(bucket, world)``
             and hears ``after_backward()`` (``unison.events.Dispatcher``).
-        bucket_cap_bytes: the size of a bucket (the first is at most 1 MiB).
         tag: a name unique to the owner, the same on every rank (private groups).
-        negotiate: agree each pass on which parameters have a gradient somewhere.
-        delay: reduce after backward instead of overlapping with it.
-        reduce_function: ``fn(tensors, group)`` replacing the algorithm's reduction.
-        nonfinite: None, "raise" or "skip" (``DataParallel(nonfinite=...)``).
-        decide_sync: asked once per pass instead of the forward's no_sync state
-            (DistributedOptimizer counts passes with it).
-        on_begin, on_end: called when a synchronized pass begins and when its
-            flags are settled (buffer broadcasts).
-        defers_completion: leave reductions in flight at the end of backward
-            (the algorithm completes them later through ``complete``).
-        recover: ``fn(exc, reducer)`` called when the end of backward raises;
-            True if it recovered (fault tolerance). With it, each pass keeps
-            a copy of this rank's gradients in ``local`` (parameter index ->
-            gradient, before scaling) to redo the round from.
-        local_on_host: keep ``local`` in host memory (pinned under CUDA), not on
-            the parameters' device (``DataParallel(ft_offload=True)``).
-        sparse: positions (in ``params``) of the parameters whose gradients are
-            sparse; they are kept out of the buckets and summed with a sparse
-            allreduce. A sparse gradient anywhere else raises, naming the parameter.
-        static_graph: the same parameters get gradients in every backward: which
-            ones is agreed on in the first synchronized pass only, and the
-            has-a-gradient allreduce is skipped after it (torch DDP's ``static_graph``).
-        gradient_as_bucket_view: parameters' ``.grad`` are views of the buckets
-            (no copy). With False each ``.grad`` stays a tensor of its own, into
-            which the average is copied once its bucket is reduced (torch DDP's
-            default; one more copy of the gradients in memory).
+        layout: where the gradients go (``Layout``: buckets, sparse ones, views).
+        sync: when a pass synchronizes (``Sync``).
+        callbacks: what the owner adds to a pass (``Callbacks``).
+        redo: what fault tolerance needs (``Redo``).
+
+    Example::
+
+        reducer = GradReducer(params, names, group, dispatcher, "model-0", Layout(25 << 20), Sync(delay=True))
     """
 
     def __init__(
@@ -144,44 +201,34 @@ class GradReducer:
         names: Sequence[str],
         group: Optional[dist.ProcessGroup],
         dispatcher: "Questions",
-        bucket_cap_bytes: int,
         tag: str,
-        negotiate: bool = True,
-        delay: bool = False,
-        reduce_function: Optional[Callable] = None,
-        nonfinite: Optional[str] = None,
-        decide_sync: Optional[Callable[[], bool]] = None,
-        on_begin: Sequence[Callable[[], None]] = (),
-        on_end: Sequence[Callable[[], None]] = (),
-        defers_completion: bool = False,
-        recover: Optional[Callable[[BaseException, "GradReducer"], bool]] = None,
-        local_on_host: bool = False,
-        sparse: Sequence[int] = (),
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = True,
+        layout: Layout,
+        sync: Sync = Sync(),
+        callbacks: Callbacks = Callbacks(),
+        redo: Redo = Redo(),
     ):
         self.params = list(params)
         self.names = list(names)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.dispatcher = dispatcher
-        self.cap = bucket_cap_bytes
-        self.first_cap = min(bucket_cap_bytes, bucketing.MB)
-        self.negotiate = negotiate
-        self.delay = delay
-        self.reduce_function = reduce_function
-        self.nonfinite = nonfinite
-        self.decide_sync = decide_sync
-        self.on_begin = list(on_begin)
-        self.on_end = list(on_end)
-        self.defers_completion = defers_completion
-        self.recover = recover
-        self.local_on_host = local_on_host
+        self.cap = layout.bucket_cap_bytes
+        self.first_cap = min(layout.bucket_cap_bytes, bucketing.MB)
+        self.negotiate = sync.negotiate
+        self.delay = sync.delay
+        self.reduce_function = callbacks.reduce_function
+        self.nonfinite = sync.nonfinite
+        self.decide_sync = sync.decide_sync
+        self.on_begin = list(callbacks.on_begin)
+        self.on_end = list(callbacks.on_end)
+        self.defers_completion = sync.defers_completion
+        self.recover = redo.recover
+        self.local_on_host = redo.local_on_host
         self.local: dict[int, torch.Tensor] = {}
         self._scale = 1.0
-        self.static_graph = static_graph
-        self.as_view = gradient_as_bucket_view
-        self.sparse = sorted(set(sparse))
+        self.static_graph = layout.static_graph
+        self.as_view = layout.gradient_as_bucket_view
+        self.sparse = sorted(set(layout.sparse))
         self._is_sparse = [False] * len(self.params)
         for i in self.sparse:
             self._is_sparse[i] = True
