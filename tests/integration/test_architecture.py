@@ -397,18 +397,21 @@ WIDEST = 10
 
 
 def _widths() -> dict[str, int]:
-    """Each class's constructor width: ``__init__``'s arguments, or a dataclass's fields."""
-    found = {}
+    """Each class's constructor width: ``__init__``'s arguments, or a dataclass's fields (of
+    classes of one name, the widest)."""
+    found: dict[str, int] = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ClassDef):
                 continue
             names = {ast.unparse(d).split("(")[0].rsplit(".", 1)[-1] for d in node.decorator_list}
-            if "dataclass" in names:
-                found[node.name] = sum(isinstance(b, ast.AnnAssign) for b in node.body)
-            for b in node.body:
-                if isinstance(b, ast.FunctionDef) and b.name == "__init__":
-                    found[node.name] = len(b.args.args) - 1 + len(b.args.kwonlyargs)
+            widths = [sum(isinstance(b, ast.AnnAssign) for b in node.body)] if "dataclass" in names else []
+            widths += [
+                len(b.args.args) - 1 + len(b.args.kwonlyargs)
+                for b in node.body
+                if isinstance(b, ast.FunctionDef) and b.name == "__init__"
+            ]
+            found[node.name] = max([found.get(node.name, 0), *widths])
     return found
 
 
