@@ -364,3 +364,30 @@ def test_hierarchical_sums_in_the_node_and_sends_only_the_sparse_form_across():
             assert r["spreads"] == [0.0] * 4  # every rank writes the same gathered direction
             assert all(c > 0 for c in r["cross"]) and max(r["cross"]) < r["flat_bytes"] / 2
             assert all(b > c for b, c in zip(r["bytes"], r["cross"]))  # and the legs inside the node
+
+
+def check_optimizer_pairing() -> dict:
+    """demo built with each optimizer: the warnings each rank saw."""
+    import warnings
+
+    seen = {}
+    for name, make, spec in [
+        ("AdamW", torch.optim.AdamW, "demo"),
+        ("RMSprop", torch.optim.RMSprop, "demo"),
+        ("SGD", torch.optim.SGD, "demo"),
+        ("AdamW unsigned", torch.optim.AdamW, "demo:sign=false"),
+    ]:
+        net = MLP()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unison.DataParallel(net, optimizer=make(net.parameters(), lr=LR), algorithm=spec).close()
+        seen[name] = [str(w.message) for w in caught if "pair demo" in str(w.message).lower()]
+    return seen
+
+
+def test_demo_on_the_sign_warns_once_on_rank_0_when_the_optimizer_is_adaptive():
+    first, second = launch.run(check_optimizer_pairing, 2, timeout=60)
+    assert len(first["AdamW"]) == 1 and "AdamW" in first["AdamW"][0] and "torch.optim.SGD" in first["AdamW"][0]
+    assert len(first["RMSprop"]) == 1 and "RMSprop" in first["RMSprop"][0]
+    assert first["SGD"] == first["AdamW unsigned"] == []
+    assert all(messages == [] for messages in second.values())  # rank 1 says nothing
