@@ -34,6 +34,23 @@ CASES = [
     ({"period": 1, "chunk": 4096, "density": 0.02, "bits": 8, "beta": 0.5, "outer_lr": 0.7, **FIRST_FORM}, 3),
     ({"period": 3, "tile": 16, "density": 0.1, "bits": 2, "beta": 0.9, "outer_lr": 0.8}, 9),
     ({"period": 2, "density": 1 / 32, "bits": 4, "beta": 0.95, "outer_lr": 1.0}, 4),
+    # Templar's forms on tiles of side 24 (the MLP's 32 x 32 matrices in 16 x 16 tiles, its biases in
+    # chunks of 16): each tile a whole 24 x 24 tile's k (58, not 26), the biases whole; then both.
+    ({"period": 2, "tile": 24, "density": 0.1, "bits": 2, "beta": 0.9, "outer_lr": 0.8, "fixed_k": True}, 4),
+    ({"period": 2, "tile": 24, "density": 0.1, "bits": 2, "beta": 0.9, "outer_lr": 0.8, "dense_vectors": True}, 4),
+    (
+        {
+            "period": 2,
+            "tile": 24,
+            "density": 0.1,
+            "bits": 4,
+            "beta": 0.9,
+            "outer_lr": 0.8,
+            "fixed_k": True,
+            "dense_vectors": True,
+        },
+        4,
+    ),  # fmt: skip
 ]
 
 
@@ -55,8 +72,9 @@ def reference_sync(options: dict, k: int, glob: list, errors: list, weights: lis
     first form over the concatenated tensors, ``k`` entries a chunk; the references' tensor by tensor."""
     common = {"beta": options["beta"], "outer_lr": options["outer_lr"], "bits": options["bits"]}
     if options.get("layout") != "flat":
+        templar = {k: options.get(k, False) for k in ("fixed_k", "dense_vectors")}
         return sparseloco_tiled_sync(
-            glob, errors, weights, side=options.get("tile", 64), density=options["density"], **common
+            glob, errors, weights, side=options.get("tile", 64), density=options["density"], **common, **templar
         )
     cat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
     flat_errors = [cat(e) for e in errors]

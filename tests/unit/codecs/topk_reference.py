@@ -49,6 +49,19 @@ def sparseloco_sync(
     return global_ - outer_lr * torch.stack(sent).mean(0)
 
 
+def _divisor(n: int, side: int) -> int:
+    return max(d for d in range(1, min(n, side) + 1) if n % d == 0)
+
+
+def cut_as_tiles(shape: tuple[int, ...], side: int) -> bool:
+    """Whether the references cut a tensor of ``shape`` into tiles (a matrix whose tiles hold at
+    least ``side`` values), not into a vector's chunks."""
+    if len(shape) < 2:
+        return False
+    rows, cols = shape[0], math.prod(shape) // shape[0]
+    return _divisor(rows, side) * _divisor(cols, side) >= side
+
+
 def tile_positions(shape: tuple[int, ...], side: int) -> list[torch.Tensor]:
     """The positions (in the flat tensor) of each chunk SparseLoCo's references cut a tensor of
     ``shape`` into: ``h x w`` tiles of a matrix (``shape[0] x rest``; the largest divisors up to
@@ -56,20 +69,19 @@ def tile_positions(shape: tuple[int, ...], side: int) -> list[torch.Tensor]:
     ``side``, or even chunks with padding, as -1, when that divisor is under half of ``side``)."""
 
     def divisor(n: int) -> int:
-        return max(d for d in range(1, min(n, side) + 1) if n % d == 0)
+        return _divisor(n, side)
 
     n = math.prod(shape)
-    if len(shape) >= 2:
+    if cut_as_tiles(shape, side):
         rows, cols = shape[0], n // shape[0]
         h, w = divisor(rows), divisor(cols)
-        if h * w >= side:
-            out = []
-            for i in range(rows // h):
-                for j in range(cols // w):
-                    out.append(
-                        torch.tensor([r * cols + c for r in range(i * h, i * h + h) for c in range(j * w, j * w + w)])
-                    )
-            return out
+        out = []
+        for i in range(rows // h):
+            for j in range(cols // w):
+                out.append(
+                    torch.tensor([r * cols + c for r in range(i * h, i * h + h) for c in range(j * w, j * w + w)])
+                )
+        return out
     size = divisor(n)
     if 2 * size < min(side, n):
         chunks = math.ceil(n / side)
@@ -98,14 +110,24 @@ def binned(values: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def tiled_message(e: torch.Tensor, side: int, density: float, bits: int) -> torch.Tensor:
+def tiled_message(
+    e: torch.Tensor, side: int, density: float, bits: int, fixed_k: bool = False, dense_vectors: bool = False
+) -> torch.Tensor:
     """The dense values one tensor's message carries: the top ``round(density * size)`` entries
-    of each chunk (``tile_positions``), quantized together by ``binned``; zeros elsewhere."""
+    of each chunk (``tile_positions``), quantized together by ``binned``; zeros elsewhere.
+    Templar's forms: ``fixed_k``, every chunk the top ``round(density * side**2)`` (its length at
+    most); ``dense_vectors``, every value of a tensor cut in chunks of a vector."""
     flat = e.reshape(-1)
     chosen = []
+    vector = not cut_as_tiles(tuple(e.shape), side)
     for positions in tile_positions(tuple(e.shape), side):
         row = torch.stack([flat[p] if p >= 0 else torch.tensor(0.0) for p in positions.tolist()])
-        k = min(len(positions), max(1, round(density * len(positions))))
+        if dense_vectors and vector:
+            k = len(positions)
+        elif fixed_k:
+            k = min(len(positions), max(1, round(density * side * side)))
+        else:
+            k = min(len(positions), max(1, round(density * len(positions))))
         top = torch.argsort(row.abs(), descending=True)[:k]
         chosen += [(int(positions[t]), row[t]) for t in top.tolist()]
     decoded = binned(torch.stack([v for _, v in chosen]), bits)
@@ -126,6 +148,8 @@ def sparseloco_tiled_sync(
     side: int,
     density: float,
     bits: int,
+    fixed_k: bool = False,
+    dense_vectors: bool = False,
 ) -> list[torch.Tensor]:
     """One outer step of SparseLoCo as its references run it, tensor by tensor: each rank's error
     becomes ``beta * e + (global - w)``, sends ``tiled_message`` of it and keeps the rest
@@ -137,7 +161,7 @@ def sparseloco_tiled_sync(
         for rank, w in enumerate(weights):
             e = errors[rank][t]
             e.mul_(beta).add_(g - w[t])
-            sent = tiled_message(e, side, density, bits)
+            sent = tiled_message(e, side, density, bits, fixed_k, dense_vectors)
             e.sub_(sent)
             total += sent
             count += (sent != 0).float()

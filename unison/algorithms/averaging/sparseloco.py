@@ -149,6 +149,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             4096-value tile; the paper sweeps 1-3%).
         topk: the entries per ``tile x tile`` tile (scaled to smaller tiles and to vectors' chunks,
             as the reference does) or per ``chunk``, instead of ``density``.
+        fixed_k: Templar's form (``layout="tiles"``): every tile and vector chunk sends what a whole
+            ``tile x tile`` tile sends, its length at most (a 48 x 40 tile: 64 values, not 30).
+        dense_vectors: Templar's form for vectors (``layout="tiles"``): a tensor cut as a vector (a
+            bias, a norm's gain) is sent whole, every value in ``bits`` bits.
         bits: bits per value sent: 2, 4 or 8.
         quantizer: ``"bins"`` (the references'): the values a tensor sends centred on their mean,
             ``2**bits`` bins over +-3 standard deviations, each code decoded to the mean of the
@@ -201,6 +205,8 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     chunk: Optional[int] = None
     density: float = 1 / 64  # 64 of a 64 x 64 tile: Templar's production setting
     topk: Optional[int] = None
+    fixed_k: bool = False
+    dense_vectors: bool = False
     bits: int = 2
     quantizer: Literal["bins", "max"] = "bins"
     mean: Literal["senders", "world"] = "senders"
@@ -233,6 +239,13 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         if self.topk is not None and self.topk > most:
             what = f"at most tile * tile ({most})" if self.layout == "tiles" else f"at most chunk ({most})"
             raise options.OptionError("topk", f"{what}: the entries sent per tile or chunk", self.topk)
+        options.boolean("fixed_k", self.fixed_k)
+        options.boolean("dense_vectors", self.dense_vectors)
+        for name in ("fixed_k", "dense_vectors"):
+            if getattr(self, name) and self.layout != "tiles":
+                raise options.OptionError(
+                    name, "False with layout='flat' (Templar's forms cut each tensor on its own)", True
+                )
         options.choice("bits", self.bits, BITS)
         options.choice("quantizer", self.quantizer, ("bins", "max"))
         options.choice("mean", self.mean, ("senders", "world"))
@@ -259,7 +272,18 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         fragments = fragments_of(replica.trainable, self.schedule().fragments)
         device = fragments[0][0][1].device
         scale = SCALE_DTYPES[self.scale_dtype]
-        tiles = [Tiles([p.shape for _, p in f], self.layout, self.size, self.density, self.topk) for f in fragments]
+        tiles = [
+            Tiles(
+                [p.shape for _, p in f],
+                self.layout,
+                self.size,
+                self.density,
+                self.topk,
+                self.fixed_k,
+                self.dense_vectors,
+            )
+            for f in fragments
+        ]
         codecs = [TiledTopK(t.runs, self.bits, self.quantizer, scale, device) for t in tiles]
         scratch = torch.empty(2 * max(c.block_numel for c in codecs), device=device)  # one sync at a time
         for c in codecs:

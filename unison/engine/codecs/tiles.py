@@ -10,7 +10,9 @@ Two cuts, both as the reference code of their paper makes them:
   ``tile``, or evened chunks ending in zero padding when that divisor is under half of
   ``tile``). A matrix whose tiles would hold fewer than ``tile`` values is cut as a vector.
   Each chunk sends ``k = round(density * size)`` entries (at least 1), or with ``topk`` the
-  reference's ``round(topk * size / tile**2)``: every tensor gets its share.
+  reference's ``round(topk * size / tile**2)``: every tensor gets its share. Templar's form
+  (``fixed_k``): every chunk sends a whole tile's ``k``, its length at most; ``dense_vectors``:
+  a tensor cut as a vector is sent whole.
 - ``"flat"``: the fragment's tensors end to end, cut into the fewest chunks of at most
   ``chunk`` values, all of one size (the last padded); tensors compete for each chunk's ``k``.
 
@@ -89,6 +91,10 @@ class Tiles:
         density: the share of each chunk sent, in (0, 1].
         topk: the entries sent per ``size x size`` tile (``"tiles"``: scaled to smaller chunks)
             or per chunk (``"flat"``), instead of ``density``.
+        fixed_k: (``"tiles"``) every chunk sends what a whole ``size x size`` tile sends (its
+            length at most), as Templar does: a 48 x 40 tile sends 64 values at the defaults, not 30.
+        dense_vectors: (``"tiles"``) a tensor cut as a vector (a bias, a norm's gain) is sent
+            whole, as Templar's ``min(64, chunk)`` does for chunks of 64 values or fewer.
 
     Example::
 
@@ -104,12 +110,20 @@ class Tiles:
         size: int = 64,
         density: float = 1 / 64,
         topk: Optional[int] = None,
+        fixed_k: bool = False,
+        dense_vectors: bool = False,
     ) -> None:
+        if cut == "flat" and (fixed_k or dense_vectors):
+            raise ValueError("fixed_k and dense_vectors are forms of the 'tiles' cut (each tensor on its own)")
         self.cut, self.size = cut, size
         self.pieces: list[Piece] = []
         offset = 0
 
-        def k_of(chunk: int) -> int:
+        def k_of(chunk: int, vector: bool = False) -> int:
+            if vector and dense_vectors:
+                return chunk
+            if fixed_k:
+                return min(chunk, topk if topk is not None else max(1, round(density * size**2)))
             if topk is None:
                 return min(chunk, max(1, round(density * chunk)))
             if cut == "flat":
@@ -139,7 +153,7 @@ class Tiles:
                     chunks = n // length
                     if 2 * length < min(size, n):
                         chunks, length = even_chunks(n, size)
-                run = Run(offset, chunks, length, k_of(length))
+                run = Run(offset, chunks, length, k_of(length, vector=grid is None))
                 self.runs.append(run)
                 self.pieces.append(Piece(offset, n, run.numel, grid))
                 offset += run.numel
