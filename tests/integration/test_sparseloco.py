@@ -50,7 +50,9 @@ CASES = [
             "dense_vectors": True,
         },
         4,
-    ),  # fmt: skip
+    ),
+    # Templar's defence: each rank's decoded tensor scaled by min(1, median norm / own norm) before the mean
+    ({"period": 2, "density": 1 / 16, "bits": 2, "beta": 0.9, "outer_lr": 0.8, "median_clip": True}, 4),
 ]
 
 
@@ -72,7 +74,7 @@ def reference_sync(options: dict, k: int, glob: list, errors: list, weights: lis
     first form over the concatenated tensors, ``k`` entries a chunk; the references' tensor by tensor."""
     common = {"beta": options["beta"], "outer_lr": options["outer_lr"], "bits": options["bits"]}
     if options.get("layout") != "flat":
-        templar = {k: options.get(k, False) for k in ("fixed_k", "dense_vectors")}
+        templar = {k: options.get(k, False) for k in ("fixed_k", "dense_vectors", "median_clip")}
         return sparseloco_tiled_sync(
             glob, errors, weights, side=options.get("tile", 64), density=options["density"], **common, **templar
         )

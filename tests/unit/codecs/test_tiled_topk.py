@@ -185,3 +185,54 @@ def test_float32_values_travel_exact_with_no_table_or_scale():
     width = max(r.size for r in tiles.runs)
     indices = index_bytes(tiles.count + tiles.count % 2, 12 if width > 256 else 8)
     assert codec.nbytes == -(-indices // 4) * 4 + 4 * tiles.count
+
+
+@pytest.mark.parametrize("schedule", ["blocked", "whole"])
+def test_median_clip_keeps_one_replica_sent_100_times_larger_to_the_median_one(schedule):
+    """Templar's defence (``clip``): four replicas, the last one's tensors 100x. With the clip each
+    message's share of a tensor weighs at most that tensor's median norm m, so the attacked mean
+    stays within (3 |m_a - m_c| + m_a + m_c) / 4 of the clean one (m_a, m_c: the medians of the two
+    sets; the honest shares move by at most |m_a - m_c| each); without it the large one dominates."""
+    tiles = layout(1 / 16)
+    codec = TiledTopK(tiles.runs, 2, schedule=schedule)
+    shapes = [torch.Size(s) for s in SHAPES]
+
+    def messages(scale_last: float) -> torch.Tensor:
+        out = []
+        for rank in range(4):
+            e = TiledBuffer(tiles, CPU)
+            e.load([x * (scale_last if rank == 3 else 1.0) for x in tensors(10 + rank)])
+            out.append(codec.encode(e.flat, codec.empty()).clone())
+        return torch.stack(out)
+
+    def mean(msgs: torch.Tensor, clip: bool) -> list[torch.Tensor]:
+        return tiles.unpad(codec.mean_into(msgs, torch.zeros(tiles.numel), senders=False, clip=clip), shapes)
+
+    def medians(msgs: torch.Tensor) -> list[float]:
+        """Each tensor's median norm over the messages as decoded (the lower middle one)."""
+        each = [tiles.unpad(codec.mean_into(m[None], torch.zeros(tiles.numel), senders=False), shapes) for m in msgs]
+        return [sorted(float(d[t].norm()) for d in each)[1] for t in range(len(shapes))]
+
+    clean, attacked = messages(1.0), messages(100.0)
+    for t, (a, c, m_a, m_c) in enumerate(
+        zip(mean(attacked, True), mean(clean, True), medians(attacked), medians(clean))
+    ):
+        assert float((a - c).norm()) <= (3 * abs(m_a - m_c) + m_a + m_c) / 4 * (1 + 1e-5), SHAPES[t]
+    for t, (a, c, m_c) in enumerate(zip(mean(attacked, False), mean(clean, False), medians(clean))):
+        assert float((a - c).norm()) > 10 * m_c, SHAPES[t]  # unclipped: 99 / 4 of the large replica's share
+
+
+def test_median_clip_is_the_same_under_both_schedules():
+    tiles = layout(1 / 16)
+    blocked, whole = TiledTopK(tiles.runs, 2, schedule="blocked"), TiledTopK(tiles.runs, 2, schedule="whole")
+    msgs = []
+    for rank in range(3):
+        e = TiledBuffer(tiles, CPU)
+        e.load([x * (1 + 3 * rank) for x in tensors(20 + rank)])
+        msgs.append(blocked.encode(e.flat, blocked.empty()).clone())
+    messages = torch.stack(msgs)
+    for senders in (True, False):
+        a = blocked.mean_into(messages, torch.zeros(tiles.numel), senders=senders, clip=True)
+        b = whole.mean_into(messages, torch.zeros(tiles.numel), senders=senders, clip=True)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a, blocked.mean_into(messages, torch.zeros(tiles.numel), senders=senders))

@@ -150,6 +150,7 @@ def sparseloco_tiled_sync(
     bits: int,
     fixed_k: bool = False,
     dense_vectors: bool = False,
+    median_clip: bool = False,
 ) -> list[torch.Tensor]:
     """One outer step of SparseLoCo as its references run it, tensor by tensor: each rank's error
     becomes ``beta * e + (global - w)``, sends ``tiled_message`` of it and keeps the rest
@@ -158,11 +159,18 @@ def sparseloco_tiled_sync(
     out = []
     for t, g in enumerate(global_):
         total, count = torch.zeros_like(g), torch.zeros_like(g)
+        sents = []
         for rank, w in enumerate(weights):
             e = errors[rank][t]
             e.mul_(beta).add_(g - w[t])
             sent = tiled_message(e, side, density, bits, fixed_k, dense_vectors)
-            e.sub_(sent)
+            e.sub_(sent)  # the error feedback keeps what this rank sent, before any clipping
+            sents.append(sent)
+        if median_clip:  # Templar's: each rank's values scaled by min(1, median norm / own norm)
+            norms = [float(s.norm()) for s in sents]
+            median = sorted(norms)[(len(norms) - 1) // 2]
+            sents = [s * (median / n) if n > median else s for s, n in zip(sents, norms)]
+        for sent in sents:
             total += sent
             count += (sent != 0).float()
         out.append(g - outer_lr * total / count.clamp(min=1))

@@ -153,6 +153,10 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             ``tile x tile`` tile sends, its length at most (a 48 x 40 tile: 64 values, not 30).
         dense_vectors: Templar's form for vectors (``layout="tiles"``): a tensor cut as a vector (a
             bias, a norm's gain) is sent whole, every value in ``bits`` bits.
+        median_clip: Templar's defence (``layout="tiles"``): before the mean, each rank's decoded
+            values of a tensor are scaled by ``min(1, median norm / own norm)`` over the ranks'
+            norms of that tensor, so that one bad or hostile replica weighs no more than the
+            median one. Nothing more is sent.
         bits: bits per value sent: 2, 4 or 8.
         quantizer: ``"bins"`` (the references'): the values a tensor sends centred on their mean,
             ``2**bits`` bins over +-3 standard deviations, each code decoded to the mean of the
@@ -207,6 +211,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
     topk: Optional[int] = None
     fixed_k: bool = False
     dense_vectors: bool = False
+    median_clip: bool = False
     bits: int = 2
     quantizer: Literal["bins", "max"] = "bins"
     mean: Literal["senders", "world"] = "senders"
@@ -241,7 +246,8 @@ class SparseLoCo(Streamed[SparseLoCoState]):
             raise options.OptionError("topk", f"{what}: the entries sent per tile or chunk", self.topk)
         options.boolean("fixed_k", self.fixed_k)
         options.boolean("dense_vectors", self.dense_vectors)
-        for name in ("fixed_k", "dense_vectors"):
+        options.boolean("median_clip", self.median_clip)
+        for name in ("fixed_k", "dense_vectors", "median_clip"):
             if getattr(self, name) and self.layout != "tiles":
                 raise options.OptionError(
                     name, "False with layout='flat' (Templar's forms cut each tensor on its own)", True
@@ -358,7 +364,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
                 comm_wait(start_gather(everyone, message, levels.inter))
                 levels.inter_bytes += (levels.nodes - 1) * message.numel()
                 shard = work[start:end].zero_()
-                codec.mean_into(everyone, shard, 1.0, self.mean == "senders")  # in node order
+                codec.mean_into(everyone, shard, 1.0, self.mean == "senders", self.median_clip)  # in node order
             return levels.gather(work, shard, part.bounds)
 
     def merge(self, replica: Replica, state: SparseLoCoState, fragment: int, result: Any, extra: Any) -> None:
@@ -370,7 +376,7 @@ class SparseLoCo(Streamed[SparseLoCoState]):
         glob, codec, tiles = state.globals[f], state.codecs[f], state.tiles[f]
         with torch.no_grad():
             if messages.dtype == torch.uint8:  # in rank order: every rank adds the same values in the same order
-                codec.mean_into(messages, glob.flat, -self.outer_lr, self.mean == "senders")
+                codec.mean_into(messages, glob.flat, -self.outer_lr, self.mean == "senders", self.median_clip)
             else:  # hierarchical: the decoded average itself, the same bits on every rank
                 glob.flat.add_(messages, alpha=-self.outer_lr)
             tiles.zero_pad(glob.flat)

@@ -165,6 +165,7 @@ class TiledTopK:
         self._codes_buffer = torch.zeros(codes, dtype=torch.uint8, device=self.device)
         self.block_numel = max(BLOCK, max(r.size for r in self.runs))
         self._scratch: Optional[torch.Tensor] = None
+        self._entry_run: Optional[torch.Tensor] = None  # built by the first clipped mean
         self._plan = Plan(self) if self.schedule == WHOLE else None
 
     def empty(self, rows: Optional[int] = None) -> torch.Tensor:
@@ -274,16 +275,34 @@ class TiledTopK:
                 out.copy_(q.view(run.chunks, run.k)).sub_(self.half).mul_(scale[:, None])
         return where, values
 
+    @property
+    def entry_run(self) -> torch.Tensor:
+        """Each entry's run (its tensor under the ``"tiles"`` cut), on the codec's device: what
+        ``clip`` takes norms by. Built at the first use (int64, one per entry sent: only a clipped
+        mean pays for it)."""
+        if self._entry_run is None:
+            counts = torch.tensor([r.count for r in self.runs], dtype=torch.int64)
+            self._entry_run = torch.repeat_interleave(torch.arange(len(self.runs)), counts).to(self.device)
+        return self._entry_run
+
     def mean_into(
-        self, messages: torch.Tensor, target: torch.Tensor, alpha: float = 1.0, senders: bool = True
+        self, messages: torch.Tensor, target: torch.Tensor, alpha: float = 1.0, senders: bool = True, clip: bool = False
     ) -> torch.Tensor:
         """``target += alpha * mean`` of the ``[ranks, nbytes]`` ``messages`` (``target`` flat
         float32, ``numel`` long): with ``senders`` each coordinate's mean over the messages that
         sent it (the references' ``scatter_reduce(reduce="mean", include_self=False)``), else the
-        plain mean over all of them. Added in message order: the same bits on every rank."""
+        plain mean over all of them. Added in message order: the same bits on every rank.
+
+        ``clip`` (Templar's): each message's decoded values of a run (a tensor, under the
+        ``"tiles"`` cut) are first scaled by ``min(1, median / norm)``, ``norm`` their L2 norm and
+        ``median`` the median of the messages' norms of that run (the lower of the two middle ones
+        for an even number): no message weighs more than the median one."""
         if self._plan is not None:
-            return self._plan.mean_into(messages, target, alpha, senders)
+            return self._plan.mean_into(messages, target, alpha, senders, clip)
         decoded = [self.decode(m) for m in messages]
+        if clip:
+            clipped = clip_to_median(torch.stack([v for _, v in decoded]), self.entry_run, len(self.runs))
+            decoded = [(where, values) for (where, _), values in zip(decoded, clipped.unbind(0))]
         ranks = len(decoded)
         for run in self.runs:
             grid = target[run.offset : run.offset + run.numel].view(run.chunks, run.size)
@@ -476,10 +495,14 @@ class Plan:
             return where, heads.gather(1, codes.long().add_(self.run_bins))
         return where, codes.float().sub_(codec.half).mul_(heads.index_select(1, self.chunk))
 
-    def mean_into(self, messages: torch.Tensor, target: torch.Tensor, alpha: float, senders: bool) -> torch.Tensor:
+    def mean_into(
+        self, messages: torch.Tensor, target: torch.Tensor, alpha: float, senders: bool, clip: bool = False
+    ) -> torch.Tensor:
         """``TiledTopK.mean_into``: every message decoded at once, then one ``index_add_`` per message
         and sum (each message's places differ, so every device adds in message order)."""
         where, values = self.decode(messages)
+        if clip:
+            values = clip_to_median(values, self.codec.entry_run, len(self.codec.runs))
         at = where.add_(self.start)
         ranks = messages.shape[0]
         if not senders:
@@ -495,3 +518,15 @@ class Plan:
         mine = target if target.numel() == numel else target[:numel]
         mine.add_(total.div_(count.clamp_(min=1)), alpha=alpha)
         return target
+
+
+def clip_to_median(values: torch.Tensor, entry_run: torch.Tensor, runs: int) -> torch.Tensor:
+    """``values`` (``[messages, entries]``, decoded) with each message's entries of each run scaled
+    by ``min(1, median / norm)``: ``norm`` the L2 norm of that message's entries of the run,
+    ``median`` the median of those norms over the messages (``torch.median``: the lower middle one).
+    A norm of zero is left as it is."""
+    squares = values.new_zeros(values.shape[0], runs).index_add_(1, entry_run, values * values)
+    norms = squares.sqrt_()
+    median = norms.median(dim=0).values
+    scale = torch.where(norms > median, median / norms, torch.ones_like(norms))
+    return values * scale.index_select(1, entry_run)
