@@ -1,13 +1,17 @@
 """What an algorithm supports is checked once (``unison.algorithms.support.check``): building a
 wrapper with an algorithm and switching a running wrapper to it give the same answer, for every
-algorithm and its hierarchical form, on a plain model, on one with sparse gradients and on one
-sharded by FSDP2. (Fault tolerance's refusals, which need its launcher, are in
-test_fault_tolerance.py, test_train_fault_tolerant.py and test_sharded_fault.py; their check is the
-same function, asserted below.)"""
+algorithm and its hierarchical form, on a plain model, on one with sparse gradients, on one
+sharded by FSDP2 and under fault tolerance (one job of ``unison launch --fault-tolerant``,
+tests/scripts/ft_support.py). Fault tolerance over FSDP2 is in test_sharded_fault.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import launch
 import pytest
@@ -19,6 +23,7 @@ from integration.test_sharded import NODES, PER_NODE, mesh_2d, sharded_net
 from unison import algorithms
 from unison.algorithms import support
 
+FT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_support.py"
 #: Every registered algorithm at its defaults, and hierarchical where it has the option.
 SPECS = [*algorithms.names()] + [
     f"{name}:hierarchical=True" for name in algorithms.names() if "hierarchical" in algorithms.get(name).defaults
@@ -120,6 +125,30 @@ def test_what_the_check_refuses_is_what_construction_refuses(answers, context):
                 assert built == expected, (spec, built)
     refused = {spec for found in answers for (where, spec), (built, _) in found.items() if where == context and built}
     assert refused, f"nothing refused over {context}: the case tests nothing"
+
+
+def test_under_fault_tolerance_construction_and_switch_to_give_the_check_s_answer(tmp_path):
+    """Every spec through a fault-tolerant construction and a fault-tolerant switch, in one job of
+    ``unison launch --fault-tolerant`` (tests/scripts/ft_support.py): the same answer from both, and
+    where ``support.check`` refuses (no Recovery), its words."""
+    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "2", *launch.PRELOAD]
+    cmd += [str(FT_SCRIPT), "--out", str(tmp_path), *SPECS]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ctx = support.Context(fault_tolerant=True)
+    refused = 0  # by either path, for whatever reason (qadam without its optimizer, say)
+    written = sorted(tmp_path.glob("*.json"))
+    assert len(written) == 2, done.stderr[-3000:]
+    for path in written:
+        found = json.loads(path.read_text())
+        assert sorted(found) == sorted(SPECS)
+        for spec, (built, switched) in found.items():
+            assert built == switched, spec
+            expected = _answer(partial(support.check, algorithms.as_algorithm(spec), ctx))
+            if expected is not None:
+                assert built == list(expected), (spec, built)
+            refused += built is not None
+    assert refused, "nothing refused under fault tolerance: the comparison of refusals tests nothing"
 
 
 def test_fault_tolerance_s_refusal_is_the_same_check():
