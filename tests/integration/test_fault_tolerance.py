@@ -4,6 +4,7 @@ tests/scripts/ft_ledger.py: after T steps every weight must be exactly -1 (x (i+
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -409,25 +411,33 @@ def _pid_of(out: Path, worker: str) -> int:
     raise AssertionError(f"no pid for worker {worker}")
 
 
-def test_a_stopped_worker_is_evicted_and_never_rejoins_an_old_membership(tmp_path):
-    out = tmp_path / "out"
+@contextlib.contextmanager
+def stopped_job(out: Path, *args: str) -> Iterator[tuple[subprocess.Popen, float, int, float]]:
+    """The ledger job with ``args`` (a ``--stop``: the victim SIGSTOPs itself), once the victim has
+    stopped: (the launcher, when it stopped, the victim's pid, the test's deadline). The launcher
+    is killed if it still runs at the end."""
     out.mkdir()
     cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "3", *PRELOAD, str(SCRIPT)]
-    cmd += ["--out", str(out), "--steps", "300", "--stop", "1@10"]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launcher = subprocess.Popen(
+        [*cmd, "--out", str(out), *args], stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         deadline = time.time() + LIMIT_S
         while not (out / "stopped").exists() and time.time() < deadline:
             time.sleep(0.05)
-        stopped_at = float((out / "stopped").read_text())
-        victim = _pid_of(out, "1")
-        time.sleep(4.0)  # past the eviction (2 s of silence), while the others train on
-        os.kill(victim, signal.SIGCONT)
-        _, err = launcher.communicate(timeout=deadline - time.time())
+        yield launcher, float((out / "stopped").read_text()), _pid_of(out, "1"), deadline
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
+
+
+def test_a_stopped_worker_is_evicted_and_never_rejoins_an_old_membership(tmp_path):
+    out = tmp_path / "out"
+    with stopped_job(out, "--steps", "300", "--stop", "1@10") as (launcher, stopped_at, victim, deadline):
+        time.sleep(4.0)  # past the eviction (2 s of silence), while the others train on
+        os.kill(victim, signal.SIGCONT)
+        _, err = launcher.communicate(timeout=deadline - time.time())
     found = results(out)
     assert sorted(found) == [0, 2], err[-3000:]
     for result in found.values():
@@ -443,26 +453,14 @@ def test_a_stopped_worker_s_eviction_ends_the_async_rounds_waiting_on_it(tmp_pat
     with it, get no error from gloo. They must end that round when the membership moves (the
     eviction), or the survivors' regroup waits for them (it stops the thread) until the job's timeout."""
     out = tmp_path / "out"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "unison", "launch", "--fault-tolerant", "--nproc", "3", *PRELOAD, str(SCRIPT)]
-    cmd += ["--out", str(out), "--steps", "60", "--algorithm", "async", "--stop", "1@10", "--average-at-end"]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.time() + LIMIT_S
-        while not (out / "stopped").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        stopped_at = float((out / "stopped").read_text())
-        victim = _pid_of(out, "1")
+    args = ("--steps", "60", "--algorithm", "async", "--stop", "1@10", "--average-at-end")
+    with stopped_job(out, *args) as (launcher, stopped_at, victim, deadline):
         # The victim stays stopped (its sockets open) until both survivors have written their results.
         while len(results(out)) < 2 and time.time() < deadline - 15 and launcher.poll() is None:
             time.sleep(0.1)
         finished = time.time()
         os.kill(victim, signal.SIGCONT)
         _, err = launcher.communicate(timeout=max(1.0, deadline - time.time()))
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
     found = results(out)
     assert sorted(found) == [0, 2], err[-3000:]
     first, second = found[0], found[2]
