@@ -10,8 +10,9 @@ when the algorithm lets replicas drift (``rank_state``). The manual is docs/hugg
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -137,9 +138,10 @@ class UnisonAccelerator(Accelerator):
     # ---- prepare --------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Optional[list[Optional[bool]]] = None) -> Any:
         """Accelerate's ``prepare``; a model among ``args`` is wrapped in ``unison.DataParallel``
-        with the optimizers among them. An optimizer prepared later is registered with it."""
+        with the optimizers among them. An optimizer prepared later, without a model, is registered
+        with the model prepared before."""
         optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
-        if self.unison_model is not None:
+        if self.unison_model is not None and not any(isinstance(obj, nn.Module) for obj in args):
             known = self.unison_model.optimizers
             for opt in optimizers:
                 if not any(opt is k for k in known):
@@ -212,25 +214,16 @@ class UnisonAccelerator(Accelerator):
         """The torch optimizers the prepared model steps (inside Accelerate's wrappers)."""
         return [getattr(opt, "optimizer", opt) for opt in self._optimizers]
 
-    def _plain_models(self) -> "_PlainModels":
-        return _PlainModels(self)
-
-
-class _PlainModels:
-    """While Accelerate saves or loads its part, it sees the module inside ``unison.DataParallel``
-    (the wrapper's state dict holds the algorithm's state too, which safetensors cannot write)."""
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self.accelerator = accelerator
-        self.saved: list[nn.Module] = []
-
-    def __enter__(self) -> None:
-        models = self.accelerator._models
-        self.saved = list(models)
-        models[:] = [m.module if isinstance(m, DataParallel) else m for m in models]
-
-    def __exit__(self, *exc: Any) -> None:
-        self.accelerator._models[:] = self.saved
+    @contextlib.contextmanager
+    def _plain_models(self) -> Iterator[None]:
+        """While Accelerate saves or loads its part, it sees the module inside ``unison.DataParallel``
+        (the wrapper's state dict holds the algorithm's state too, which safetensors cannot write)."""
+        saved = list(self._models)
+        self._models[:] = [m.module if isinstance(m, DataParallel) else m for m in saved]
+        try:
+            yield
+        finally:
+            self._models[:] = saved
 
 
 def checked(

@@ -94,13 +94,13 @@ class UnisonTrainerMixin:
         super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
         model = self.unison_model
         if model is not None:
-            rank_state.save(output_dir, model, [_torch_optimizer(self.optimizer)])  # type: ignore[attr-defined]
+            rank_state.save(output_dir, model, self.accelerator.torch_optimizers())  # type: ignore[attr-defined]
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         model = self.unison_model
         if model is not None and checkpoint is not None:
-            rank_state.load(checkpoint, model, [_torch_optimizer(self.optimizer)])  # type: ignore[attr-defined]
+            rank_state.load(checkpoint, model, self.accelerator.torch_optimizers())  # type: ignore[attr-defined]
 
 
 class UnisonTrainer(UnisonTrainerMixin, Trainer):
@@ -124,7 +124,3 @@ class _EndOfTraining(TrainerCallback):
         model = self.trainer.unison_model
         if model is not None and model.algorithm.replicas_drift:
             model.average()
-
-
-def _torch_optimizer(optimizer: Any) -> Any:
-    return getattr(optimizer, "optimizer", optimizer)
